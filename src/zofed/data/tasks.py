@@ -1,0 +1,205 @@
+"""Tasks: how examples become token batches, and how a model's loss and predictions are computed.
+
+- `prompt-classification`: a causal LM reads a prompt template and the class is the label word with the
+  highest next-token logit (a verbalizer). Only the last real position's hidden state is projected, and
+  only onto the label words' rows of the output embedding: the loss costs one backbone pass.
+- `encoder-classification`: an encoder with a classification head (e.g. MiniLM).
+- `causal-lm`: instruction data; mean next-token loss over the response tokens only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+
+from zofed.data.sources import TextDataset
+
+TaskType = Literal["prompt-classification", "encoder-classification", "causal-lm"]
+INSTRUCTION_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{context}\n\n### Response:\n"
+
+
+class TaskConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: TaskType = "prompt-classification"
+    template: str = "{text}"
+    verbalizer: list[str] = Field(default_factory=list)  # one word per class, for prompt-classification
+    max_length: int = Field(128, ge=8)
+
+
+@dataclass
+class Encoded:
+    """A dataset tokenized once; batches are padded on the fly to their own longest example."""
+
+    input_ids: list[list[int]]
+    labels: np.ndarray | None  # class per example, or None
+    prompt_lengths: list[int] | None = None  # causal-lm: tokens before the response
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor  # class indices, or token targets with -100 for causal-lm
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a peft wrapper (LoRA layers are injected in place, so it runs them)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+class Task:
+    """Common batching and evaluation; subclasses define encoding and the per-batch logits/loss."""
+
+    def __init__(self, tokenizer, config: TaskConfig) -> None:
+        self.tokenizer = tokenizer
+        self.config = config
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def _render(self, fields: dict[str, str]) -> str:
+        try:
+            return self.config.template.format(**fields)
+        except KeyError as err:
+            raise ValueError(f"prompt template uses field {err} but examples have {sorted(fields)}") from None
+
+    def _tokenize(self, text: str) -> list[int]:
+        ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        # Keep the end of an over-long prompt: it holds the question the label word answers.
+        return ids[-self.config.max_length:]
+
+    def encode(self, data: TextDataset) -> Encoded:
+        if data.labels is None:
+            raise ValueError(f"dataset {data.name} has no labels; {self.config.type} needs them")
+        ids = [self._tokenize(self._render(f)) for f in data.fields]
+        return Encoded(ids, np.asarray(data.labels, dtype=np.int64))
+
+    def collate(self, data: Encoded, indices) -> Batch:
+        rows = [data.input_ids[i] for i in indices]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for k, r in enumerate(rows):
+            ids[k, : len(r)] = torch.tensor(r)
+            mask[k, : len(r)] = 1
+        labels = torch.as_tensor(data.labels[list(indices)])
+        return Batch(ids, mask, labels)
+
+    def logits(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def loss(self, model: torch.nn.Module, batch: Batch) -> float:
+        return float(F.cross_entropy(self.logits(model, batch), batch.labels))
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module, data: Encoded, batch_size: int = 32,
+                 indices=None) -> dict[str, float]:
+        """Accuracy and mean loss over `indices` (all examples by default)."""
+        order = np.arange(len(data)) if indices is None else np.asarray(indices)
+        correct, loss_sum = 0, 0.0
+        for start in range(0, len(order), batch_size):
+            batch = self.collate(data, order[start:start + batch_size])
+            logits = self.logits(model, batch)
+            loss_sum += float(F.cross_entropy(logits, batch.labels, reduction="sum"))
+            correct += int((logits.argmax(-1) == batch.labels).sum())
+        n = max(1, len(order))
+        return {"accuracy": correct / n, "loss": loss_sum / n}
+
+
+class PromptClassification(Task):
+    def __init__(self, tokenizer, config: TaskConfig, num_classes: int) -> None:
+        super().__init__(tokenizer, config)
+        if len(config.verbalizer) != num_classes:
+            raise ValueError(f"verbalizer has {len(config.verbalizer)} words for {num_classes} classes")
+        ids = [tokenizer(w, add_special_tokens=False)["input_ids"] for w in config.verbalizer]
+        if any(len(i) == 0 for i in ids):
+            raise ValueError(f"a verbalizer word encodes to no token: {config.verbalizer}")
+        self.label_token_ids = torch.tensor([i[0] for i in ids])
+        if len(set(self.label_token_ids.tolist())) != num_classes:
+            raise ValueError(f"verbalizer words {config.verbalizer} share their first token; pick distinct words")
+
+    def logits(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        lm = _unwrap(model)
+        backbone = getattr(lm, lm.base_model_prefix)
+        hidden = backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+        last = batch.attention_mask.sum(1) - 1
+        h = hidden[torch.arange(hidden.shape[0]), last]
+        head = lm.get_output_embeddings()
+        out = h @ head.weight[self.label_token_ids].T
+        if getattr(head, "bias", None) is not None:
+            out = out + head.bias[self.label_token_ids]
+        return out
+
+
+class EncoderClassification(Task):
+    def logits(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+
+
+class CausalLM(Task):
+    """Instruction tuning: the loss covers the response (and end-of-sequence) tokens only."""
+
+    def encode(self, data: TextDataset) -> Encoded:
+        ids, prompt_lengths = [], []
+        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        for f in data.fields:
+            fields = {"instruction": f.get("instruction", ""), "context": f.get("context", ""), **f}
+            template = self.config.template if self.config.template != "{text}" else INSTRUCTION_TEMPLATE
+            prompt = self.tokenizer(template.format(**fields), add_special_tokens=True)["input_ids"]
+            response = self.tokenizer(fields.get("response", ""), add_special_tokens=False)["input_ids"] + eos
+            row = (prompt + response)[: self.config.max_length]
+            ids.append(row)
+            prompt_lengths.append(min(len(prompt), len(row)))
+        return Encoded(ids, None, prompt_lengths)
+
+    def collate(self, data: Encoded, indices) -> Batch:
+        rows = [data.input_ids[i] for i in indices]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        labels = torch.full((len(rows), width), -100, dtype=torch.long)
+        for k, i in enumerate(indices):
+            r = data.input_ids[i]
+            ids[k, : len(r)] = torch.tensor(r)
+            mask[k, : len(r)] = 1
+            labels[k, data.prompt_lengths[i]: len(r)] = torch.tensor(r[data.prompt_lengths[i]:])
+        return Batch(ids, mask, labels)
+
+    @torch.no_grad()
+    def loss(self, model: torch.nn.Module, batch: Batch) -> float:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        return float(F.cross_entropy(logits[:, :-1].flatten(0, 1), batch.labels[:, 1:].flatten(), ignore_index=-100))
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module, data: Encoded, batch_size: int = 16,
+                 indices=None) -> dict[str, float]:
+        order = np.arange(len(data)) if indices is None else np.asarray(indices)
+        total, count = 0.0, 0
+        for start in range(0, len(order), batch_size):
+            batch = self.collate(data, order[start:start + batch_size])
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+            targets = batch.labels[:, 1:].flatten()
+            total += float(F.cross_entropy(logits[:, :-1].flatten(0, 1), targets, ignore_index=-100, reduction="sum"))
+            count += int((targets != -100).sum())
+        return {"loss": total / max(1, count)}
+
+
+def make_task(config: TaskConfig, tokenizer, num_classes: int | None) -> Task:
+    if config.type == "prompt-classification":
+        if not num_classes:
+            raise ValueError("prompt-classification needs a labelled dataset")
+        return PromptClassification(tokenizer, config, num_classes)
+    if config.type == "encoder-classification":
+        return EncoderClassification(tokenizer, config)
+    if config.type == "causal-lm":
+        return CausalLM(tokenizer, config)
+    raise ValueError(f"unknown task type {config.type!r}; choose prompt-classification, "
+                     "encoder-classification or causal-lm")

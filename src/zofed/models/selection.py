@@ -1,0 +1,101 @@
+"""Which parameters a ZO run perturbs: a config object, separate from the code that applies it.
+
+Modes: every parameter, LoRA adapters (via peft), parameters whose names match regular expressions, or
+a magnitude mask (a fixed fraction of each selected tensor's coordinates). The ZO path never needs
+autograd, so every parameter is set to `requires_grad=False` and the selection is kept as our own list.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from zofed.zo.optim import magnitude_masks
+
+SelectionMode = Literal["all", "lora", "patterns", "magnitude"]
+
+
+class TrainableConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    mode: SelectionMode = "lora"
+    patterns: list[str] = Field(default_factory=list)  # regexes on parameter names ("patterns", "magnitude")
+    also_train: list[str] = Field(default_factory=list)  # regexes added to any mode, e.g. a classifier head
+    lora_r: int = Field(8, ge=1)
+    lora_alpha: int = Field(16, ge=1)
+    lora_targets: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"])
+    magnitude_fraction: float = Field(0.1, gt=0.0, le=1.0)
+    magnitude_keep: Literal["largest", "smallest"] = "largest"
+
+
+@dataclass
+class TrainableParams:
+    """The selected parameters, in a fixed order that names each tensor's index in the noise streams."""
+
+    names: list[str]
+    params: list[torch.nn.Parameter]
+    masks: list[torch.Tensor | None] | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Flat views sharing storage with the parameters: what the ZO engine updates in place."""
+        return [p.data.view(-1) for p in self.params]
+
+    def numel(self) -> int:
+        if self.masks is None:
+            return sum(p.numel() for p in self.params)
+        return sum(int(m.sum()) if m is not None else p.numel() for p, m in zip(self.params, self.masks, strict=True))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().clone() for name, p in zip(self.names, self.params, strict=True)}
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        missing = [n for n in self.names if n not in tensors]
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} trainable tensors, e.g. {missing[:3]}")
+        with torch.no_grad():
+            for name, p in zip(self.names, self.params, strict=True):
+                if tensors[name].shape != p.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensors[name].shape)} != {tuple(p.shape)}")
+                p.copy_(tensors[name])
+
+
+def _matching(model: torch.nn.Module, patterns: list[str]) -> list[tuple[str, torch.nn.Parameter]]:
+    compiled = [re.compile(p) for p in patterns]
+    return [(n, p) for n, p in model.named_parameters() if any(c.search(n) for c in compiled)]
+
+
+def select_trainable(model: torch.nn.Module, config: TrainableConfig) -> tuple[torch.nn.Module, TrainableParams]:
+    """Apply `config` to `model`; returns the (possibly peft-wrapped) model and its trainable parameters."""
+    if config.mode == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=0.0,
+                          target_modules=config.lora_targets, bias="none")
+        try:
+            model = get_peft_model(model, lora)
+        except ValueError as err:
+            raise ValueError(f"LoRA targets {config.lora_targets} do not fit this model: {err}") from None
+        selected = [(n, p) for n, p in model.named_parameters() if "lora_" in n]
+    elif config.mode == "all":
+        selected = list(model.named_parameters())
+    elif config.mode in ("patterns", "magnitude"):
+        selected = _matching(model, config.patterns or [".*"])
+    else:
+        raise ValueError(f"unknown trainable mode {config.mode!r}; choose all, lora, patterns or magnitude")
+    names = {n for n, _ in selected}
+    selected += [(n, p) for n, p in _matching(model, config.also_train) if n not in names]
+    if not selected:
+        raise ValueError(f"trainable selection {config.mode} with patterns {config.patterns} matched no parameter")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for n, p in selected:
+        if not p.is_contiguous():
+            raise ValueError(f"parameter {n} is not contiguous; the ZO engine perturbs flat views in place")
+    params = TrainableParams([n for n, _ in selected], [p for _, p in selected])
+    if config.mode == "magnitude":
+        params.masks = list(magnitude_masks(params.tensors(), config.magnitude_fraction, config.magnitude_keep))
+    return model, params

@@ -1,0 +1,97 @@
+"""Perturbation distributions over a list of trainable tensors, applied in place chunk by chunk.
+
+A perturbation of tensor i for seed s is `u_i = scale_i * mask_i * (z_i(s) + w * m_i / rms_i)`:
+  - `z_i(s)` is seeded noise (see noise.py), regenerated, never stored;
+  - `scale_i` is a per-block multiplier (personalized sampling shapes the distribution through it);
+  - `mask_i` optionally restricts the perturbation to some coordinates (sparse perturbation);
+  - `m_i` is an optional momentum buffer that tilts the direction (ZO-AdaMU-style shaping).
+Everything in it is either a seed or small explicit state, so whoever holds the same state can rebuild
+exactly the same directions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from zofed.zo.noise import NoiseKind, NoiseSource, chunk_bounds
+
+
+@dataclass
+class Perturbation:
+    kind: NoiseKind = "rademacher"
+    scales: Sequence[float] | None = None  # one per tensor; None means all ones
+    masks: Sequence[torch.Tensor | None] | None = None  # flat bool masks per tensor
+    momentum: Sequence[torch.Tensor] | None = None  # flat buffers that tilt the direction
+    momentum_weight: float = 0.0
+    momentum_rms: Sequence[float] | None = None  # normalizes each momentum buffer to unit RMS
+
+    def scale(self, i: int) -> float:
+        return 1.0 if self.scales is None else float(self.scales[i])
+
+    def mask(self, i: int) -> torch.Tensor | None:
+        return None if self.masks is None else self.masks[i]
+
+    def direction(self, source: NoiseSource, seed: int, i: int, chunk: int, start: int, end: int,
+                  coeff: float) -> torch.Tensor:
+        """`coeff * u_i` over elements [start, end) of tensor i (a scratch view, valid until reuse)."""
+        c = coeff * self.scale(i)
+        u = source.chunk(seed, i, chunk, end - start, c)
+        if self.momentum is not None and self.momentum_weight != 0.0:
+            rms = self.momentum_rms[i] if self.momentum_rms is not None else 1.0
+            if rms > 0:
+                u.add_(self.momentum[i][start:end], alpha=c * self.momentum_weight / rms)
+        mask = self.mask(i)
+        if mask is not None:
+            u.mul_(mask[start:end])
+        return u
+
+
+def merge_terms(terms: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
+    """Sum coefficients that share a seed so each direction is generated once per chunk."""
+    merged: dict[int, float] = {}
+    for seed, coeff in terms:
+        merged[seed] = merged.get(seed, 0.0) + float(coeff)
+    return [(s, c) for s, c in merged.items() if c != 0.0]
+
+
+@torch.no_grad()
+def add_directions_(tensors: Sequence[torch.Tensor], terms: Sequence[tuple[int, float]],
+                    perturbation: Perturbation) -> None:
+    """tensors[i] += sum_k coeff_k * u_i(seed_k), streaming over tensors and chunks."""
+    terms = merge_terms(terms)
+    source = NoiseSource(perturbation.kind)
+    for i, flat in enumerate(tensors):
+        for chunk, start, end in chunk_bounds(flat.numel()):
+            for seed, coeff in terms:
+                flat[start:end].add_(perturbation.direction(source, seed, i, chunk, start, end, coeff))
+
+
+ChunkUpdate = Callable[[int, int, int, torch.Tensor, torch.Tensor], None]
+
+
+@torch.no_grad()
+def sweep_estimate(tensors: Sequence[torch.Tensor], restore: Sequence[tuple[int, float]],
+                   grad_terms: Sequence[tuple[int, float]], perturbation: Perturbation,
+                   update: ChunkUpdate) -> None:
+    """One pass that first applies `restore` terms, then hands each chunk's gradient estimate
+    `sum_k g_k u(seed_k)` to `update(i, start, end, param_chunk, grad_chunk)`.
+
+    Directions that appear in both lists (the last query's seed) are generated once.
+    """
+    restore_c = dict(merge_terms(restore))
+    grad_c = dict(merge_terms(grad_terms))
+    seeds = list(dict.fromkeys([*restore_c, *grad_c]))
+    source = NoiseSource(perturbation.kind)
+    for i, flat in enumerate(tensors):
+        for chunk, start, end in chunk_bounds(flat.numel()):
+            grad = torch.zeros(end - start, dtype=flat.dtype)
+            for seed in seeds:
+                u = perturbation.direction(source, seed, i, chunk, start, end, 1.0)
+                if seed in restore_c:
+                    flat[start:end].add_(u, alpha=restore_c[seed])
+                if seed in grad_c:
+                    grad.add_(u, alpha=grad_c[seed])
+            update(i, start, end, flat[start:end], grad)

@@ -1,0 +1,84 @@
+"""One zeroth-order step: the two-point central estimate with q queries, then the optimizer's update.
+
+For each query j with direction u_j (regenerated from seed_j):
+    g_j = (L(theta + eps u_j) - L(theta - eps u_j)) / (2 eps)
+and the step's gradient estimate is (1/q) sum_j g_j u_j. The parameters move +eps, -2eps, and the
+optimizer's pass restores the last +eps while applying the update, so a step costs 2q forward passes plus
+2q + 1 streaming passes over the trainable tensors, and never allocates a gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from zofed.zo.noise import derive_seed
+from zofed.zo.optim import OptState
+from zofed.zo.perturb import Perturbation, add_directions_
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What a step needs to be replayed: the seed it drew its directions from and one scalar per query."""
+
+    step: int
+    seed: int
+    grads: tuple[float, ...]
+    loss: float  # mean of the perturbed losses: a free, slightly noisy training-loss reading
+
+    def query_seeds(self) -> list[int]:
+        return [query_seed(self.seed, j) for j in range(len(self.grads))]
+
+    def grad_terms(self) -> list[tuple[int, float]]:
+        q = len(self.grads)
+        return [(s, g / q) for s, g in zip(self.query_seeds(), self.grads, strict=True)]
+
+
+def query_seed(step_seed: int, query: int) -> int:
+    return derive_seed(step_seed, query)
+
+
+class NonFiniteLossError(FloatingPointError):
+    """A perturbed loss was NaN or infinite: the parameters were restored and nothing was updated."""
+
+
+@torch.no_grad()
+def zo_step(tensors: Sequence[torch.Tensor], loss_fn: Callable[[], float], optimizer, state: OptState, *,
+            seed: int, eps: float, lr: float, queries: int = 1,
+            perturbation: Perturbation | None = None) -> tuple[OptState, StepRecord]:
+    """Estimate the gradient of `loss_fn` at the current `tensors` and apply `optimizer` in place."""
+    if eps <= 0:
+        raise ValueError(f"eps must be positive, got {eps}")
+    if queries < 1:
+        raise ValueError(f"queries must be at least 1, got {queries}")
+    pert = optimizer.perturbation(tensors, state, perturbation or Perturbation())
+    grads, losses = [], []
+    seeds = [query_seed(seed, j) for j in range(queries)]
+    for j, s in enumerate(seeds):
+        add_directions_(tensors, [(s, eps)], pert)
+        loss_plus = float(loss_fn())
+        add_directions_(tensors, [(s, -2 * eps)], pert)
+        loss_minus = float(loss_fn())
+        if not (math.isfinite(loss_plus) and math.isfinite(loss_minus)):
+            add_directions_(tensors, [(s, eps)], pert)
+            raise NonFiniteLossError(f"non-finite loss at query {j}: +eps {loss_plus}, -eps {loss_minus}")
+        grads.append((loss_plus - loss_minus) / (2 * eps))
+        losses.extend((loss_plus, loss_minus))
+        if j < queries - 1:
+            add_directions_(tensors, [(s, eps)], pert)
+    record = StepRecord(step=state.step, seed=seed, grads=tuple(grads), loss=sum(losses) / len(losses))
+    state = optimizer.apply(tensors, state, record.grad_terms(), [(seeds[-1], eps)], lr, pert)
+    return state, record
+
+
+@torch.no_grad()
+def replay_steps(tensors: Sequence[torch.Tensor], records: Sequence[StepRecord], optimizer, state: OptState,
+                 lrs: Sequence[float], perturbation: Perturbation | None = None) -> OptState:
+    """Re-apply recorded steps without any forward pass (how a server rebuilds a client's update)."""
+    for record, lr in zip(records, lrs, strict=True):
+        pert = optimizer.perturbation(tensors, state, perturbation or Perturbation())
+        state = optimizer.apply(tensors, state, record.grad_terms(), [], lr, pert)
+    return state

@@ -1,0 +1,189 @@
+"""The ZO engine on small tensors: seeded noise, perturb/restore, the estimator, optimizers and their state."""
+
+import math
+
+import pytest
+import torch
+
+from zofed.zo.noise import CHUNK, NoiseSource, derive_seed, noise_like
+from zofed.zo.optim import OPTIMIZER_NAMES, OptState, learning_rate, magnitude_masks, make_optimizer
+from zofed.zo.perturb import Perturbation, add_directions_
+from zofed.zo.step import NonFiniteLossError, replay_steps, zo_step
+
+
+def _tensors(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # One tensor spans several noise chunks so chunk seeding is exercised.
+    return [torch.randn(CHUNK * 2 + 123, generator=g) * 0.05, torch.randn(300, generator=g), torch.randn(7, generator=g)]
+
+
+@pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
+def test_same_seed_regenerates_same_noise_and_other_seeds_differ(kind):
+    t = torch.zeros(CHUNK + 1000)
+    a, b = noise_like(t, 11, 0, kind), noise_like(t, 11, 0, kind)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, noise_like(t, 12, 0, kind))
+    assert not torch.equal(a, noise_like(t, 11, 1, kind))  # another tensor index, another stream
+    assert abs(float(a.mean())) < 0.01 and abs(float(a.std()) - 1.0) < 0.01
+    if kind == "rademacher":
+        assert set(a.unique().tolist()) == {-1.0, 1.0}
+
+
+def test_rademacher_scale_is_exact_and_signs_do_not_depend_on_scale():
+    src = NoiseSource("rademacher")
+    plus = src.chunk(5, 0, 0, 1000, 1e-3).clone()
+    minus = src.chunk(5, 0, 0, 1000, -2e-3).clone()
+    assert set(plus.abs().unique().tolist()) == {torch.tensor(1e-3).item()}
+    assert torch.equal(torch.sign(plus), -torch.sign(minus))
+
+
+def test_derive_seed_is_deterministic_and_spreads():
+    assert derive_seed(1, 2, 3) == derive_seed(1, 2, 3)
+    seeds = {derive_seed(0, i) for i in range(1000)}
+    assert len(seeds) == 1000 and all(0 <= s < 2**63 for s in seeds)
+
+
+@pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
+def test_perturb_then_restore_returns_the_parameters(kind):
+    tensors = _tensors()
+    before = [t.clone() for t in tensors]
+    masks = [None, torch.arange(300) % 3 == 0, None]
+    pert = Perturbation(kind=kind, scales=[1.0, 0.5, 2.0], masks=masks)
+    eps = 1e-3
+    add_directions_(tensors, [(42, eps)], pert)
+    assert (tensors[0] - before[0]).abs().max() > 0.5 * eps  # it really moved
+    assert torch.equal(tensors[1][~masks[1]], before[1][~masks[1]])  # masked coordinates never move
+    add_directions_(tensors, [(42, -2 * eps)], pert)
+    add_directions_(tensors, [(42, eps)], pert)
+    err = max(float((t - b).abs().max()) for t, b in zip(tensors, before, strict=True))
+    assert err <= 1e-6
+
+
+def test_block_scales_scale_each_tensor():
+    tensors = [torch.zeros(500), torch.zeros(500)]
+    add_directions_(tensors, [(3, 1.0)], Perturbation(scales=[1.0, 0.25]))
+    assert torch.allclose(tensors[0].abs(), torch.ones(500)) and torch.allclose(tensors[1].abs(), torch.full((500,), 0.25))
+
+
+@pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
+def test_estimate_aligns_with_true_gradient_of_smooth_function(kind):
+    d = 20
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(d, d, generator=g)
+    a = a @ a.T / d + torch.eye(d)
+    x = torch.randn(d, generator=g, dtype=torch.float64).float()
+
+    def f(v):
+        return float(torch.sin(v).sum() + 0.5 * v @ a @ v)
+
+    true_grad = torch.cos(x) + a @ x
+    eps, n = 1e-3, 3000
+    estimate = torch.zeros(d)
+    for s in range(n):
+        z = noise_like(x, s, 0, kind)
+        estimate += (f(x + eps * z) - f(x - eps * z)) / (2 * eps) * z
+    cosine = float(torch.nn.functional.cosine_similarity(estimate, true_grad, dim=0))
+    assert cosine > 0.9
+
+
+def _quadratic_problem():
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn(30, 30, generator=g)
+    a = a @ a.T / 30 + torch.eye(30)
+    return a, torch.randn(30, generator=g)
+
+
+LRS = {"mezo": 2e-3, "sparse-mezo": 2e-3, "zo-sgd-momentum": 3e-4, "zo-adam": 1e-2, "zo-adamu": 1e-2}
+
+
+@pytest.mark.parametrize("name", OPTIMIZER_NAMES)
+def test_every_optimizer_lowers_a_quadratic(name):
+    a, x0 = _quadratic_problem()
+    x = x0.clone()
+    opt = make_optimizer(name, **({"density": 0.75, "mask_interval": 10} if name == "sparse-mezo" else {}))
+    state = opt.init([x])
+    for t in range(300):
+        state, _ = zo_step([x], lambda: float(0.5 * x @ a @ x), opt, state, seed=t, eps=1e-3, lr=LRS[name])
+    assert float(0.5 * x @ a @ x) < 0.6 * float(0.5 * x0 @ a @ x0)
+    assert state.step == 300
+
+
+@pytest.mark.parametrize("name", OPTIMIZER_NAMES)
+@pytest.mark.parametrize("queries", [1, 3])
+def test_replay_from_seeds_and_scalars_rebuilds_the_update(name, queries):
+    """What a server does: from the start tensors, seeds and scalars alone, rebuild the client's update."""
+    tensors = _tensors(3)
+    start = [t.clone() for t in tensors]
+    weights = [torch.randn(t.shape, generator=torch.Generator().manual_seed(i)) for i, t in enumerate(tensors)]
+
+    def loss():
+        return float(sum((torch.tanh(t) * w).sum() for t, w in zip(tensors, weights, strict=True)))
+
+    opt = make_optimizer(name)
+    state = opt.init(tensors)
+    replay_state = opt.init(start)
+    records, lrs = [], []
+    for t in range(4):
+        lr = learning_rate(t, 1e-3, "linear", total=4)
+        state, record = zo_step(tensors, loss, opt, state, seed=100 + t, eps=1e-3, lr=lr, queries=queries)
+        records.append(record)
+        lrs.append(lr)
+    rebuilt = [t.clone() for t in start]
+    replay_steps(rebuilt, records, opt, replay_state, lrs)
+    client_update = torch.cat([(t - s) for t, s in zip(tensors, start, strict=True)])
+    server_update = torch.cat([(r - s) for r, s in zip(rebuilt, start, strict=True)])
+    rel = float((client_update - server_update).norm() / client_update.norm())
+    assert rel <= 1e-4  # the client's perturb/restore round trips add fp32 rounding the replay does not
+    assert len(records[0].grads) == queries
+
+
+@pytest.mark.parametrize("name", ["zo-adam", "zo-adamu", "sparse-mezo", "zo-sgd-momentum"])
+def test_state_round_trip_gives_bit_identical_continuation(name):
+    a, x0 = _quadratic_problem()
+    opt = make_optimizer(name)
+
+    def run(x, state, steps):
+        for t in steps:
+            state, _ = zo_step([x], lambda: float(0.5 * x @ a @ x), opt, state, seed=t, eps=1e-3, lr=1e-3)
+        return state
+
+    x = x0.clone()
+    state = run(x, opt.init([x]), range(5))
+    saved_x, saved = x.clone(), OptState.from_tensors({k: v.clone() for k, v in state.to_tensors().items()})
+    run(x, state, range(5, 10))
+    resumed = saved_x.clone()
+    run(resumed, saved, range(5, 10))
+    assert torch.equal(x, resumed)
+
+
+def test_non_finite_loss_restores_parameters_and_raises():
+    tensors = _tensors()
+    before = [t.clone() for t in tensors]
+    opt = make_optimizer("mezo")
+    with pytest.raises(NonFiniteLossError):
+        zo_step(tensors, lambda: float("nan"), opt, opt.init(tensors), seed=1, eps=1e-3, lr=1.0)
+    assert max(float((t - b).abs().max()) for t, b in zip(tensors, before, strict=True)) <= 1e-6
+
+
+def test_bad_optimizer_and_schedule_names_are_clear_errors():
+    with pytest.raises(ValueError, match="unknown ZO optimizer 'adam'"):
+        make_optimizer("adam")
+    with pytest.raises(ValueError, match="bad hyperparameters for mezo"):
+        make_optimizer("mezo", momentum=0.9)
+    with pytest.raises(ValueError, match="schedule"):
+        learning_rate(0, 1.0, "exp")
+
+
+def test_learning_rate_schedules():
+    assert learning_rate(0, 1.0, "constant", 10, warmup=2) == 0.5
+    assert learning_rate(5, 1.0, "constant", 10) == 1.0
+    assert math.isclose(learning_rate(5, 1.0, "linear", 10), 0.5)
+    assert math.isclose(learning_rate(10, 1.0, "cosine", 10), 0.0, abs_tol=1e-12)
+
+
+def test_magnitude_masks_keep_the_requested_fraction():
+    t = torch.randn(100_000, generator=torch.Generator().manual_seed(0))
+    (small,) = magnitude_masks([t], 0.25, keep="smallest")
+    (large,) = magnitude_masks([t], 0.25, keep="largest")
+    assert abs(float(small.float().mean()) - 0.25) < 0.01 and abs(float(large.float().mean()) - 0.25) < 0.01
+    assert float(t[small].abs().max()) <= float(t[large].abs().min())
