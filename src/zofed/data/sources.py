@@ -1,0 +1,469 @@
+"""Text classification / instruction data sets: one in-memory type and loaders for local files and the hub.
+
+Every problem with the data itself raises :class:`DataError` whose message names the file and the
+1-based line (or item/row) so a user can open the file and fix it, instead of a traceback from deep
+inside a tokenizer.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMATS = ("csv", "tsv", "jsonl", "json", "label-text")
+_EXTENSIONS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "json", ".txt": "label-text"}
+_INT_RE = re.compile(r"[+-]?\d+")
+
+
+class DataError(ValueError):
+    """Bad or unreachable data; the message says where (file, line) and what is wrong."""
+
+
+@dataclass
+class TextDataset:
+    """Examples as text fields plus optional class indices.
+
+    ``fields[i]`` maps a field name ("text", or "premise"/"hypothesis", or "instruction"/"context"/
+    "response") to its text; ``labels[i]`` indexes ``label_names``; ``labels`` is None for unlabelled
+    or instruction data.
+    """
+
+    fields: list[dict[str, str]]
+    labels: list[int] | None
+    label_names: list[str] | None
+    name: str
+
+    def __post_init__(self) -> None:
+        # Catch inconsistent construction here rather than as an IndexError during training.
+        if self.labels is not None:
+            if len(self.labels) != len(self.fields):
+                raise DataError(f"{self.name}: {len(self.labels)} labels for {len(self.fields)} examples")
+            if self.label_names is None:
+                raise DataError(f"{self.name}: labels given without label_names")
+            bad = [y for y in self.labels if not 0 <= y < len(self.label_names)]
+            if bad:
+                raise DataError(
+                    f"{self.name}: label {bad[0]} out of range for {len(self.label_names)} label_names"
+                )
+
+    def __len__(self) -> int:
+        return len(self.fields)
+
+    def subset(self, indices: Sequence[int]) -> TextDataset:
+        idx = [int(i) for i in indices]
+        labels = None if self.labels is None else [self.labels[i] for i in idx]
+        return TextDataset(
+            fields=[dict(self.fields[i]) for i in idx],
+            labels=labels,
+            label_names=None if self.label_names is None else list(self.label_names),
+            name=self.name,
+        )
+
+    def train_test_split(self, test_size: int | float, seed: int) -> tuple[TextDataset, TextDataset]:
+        """Random (not stratified) split; the same seed always gives the same split.
+
+        ``test_size`` is a count (int) or a fraction in (0, 1) (float). Both parts keep file order.
+        """
+        n = len(self)
+        if isinstance(test_size, float):
+            if not 0.0 < test_size < 1.0:
+                raise ValueError(f"test_size fraction must be in (0, 1), got {test_size}")
+            n_test = round(n * test_size)
+        else:
+            n_test = int(test_size)
+        if not 0 < n_test < n:
+            raise ValueError(f"{self.name}: test_size {test_size} leaves no train or no test data (n={n})")
+        perm = np.random.default_rng(seed).permutation(n)
+        # Sorting keeps the original order inside each part, so printed subsets are easy to compare.
+        test_idx, train_idx = np.sort(perm[:n_test]), np.sort(perm[n_test:])
+        train, test = self.subset(train_idx.tolist()), self.subset(test_idx.tolist())
+        train.name, test.name = f"{self.name}/train", f"{self.name}/test"
+        return train, test
+
+    def label_counts(self) -> list[int]:
+        if self.labels is None or self.label_names is None:
+            raise DataError(f"{self.name}: unlabelled data set has no label counts")
+        return np.bincount(self.labels, minlength=len(self.label_names)).tolist()
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading files into records: (location, raw dict) pairs, the location being "line 7" or "item 3".
+
+Record = tuple[str, Mapping[str, Any]]
+
+
+def _read_text(path: Path, encoding: str) -> str:
+    if not path.exists():
+        raise DataError(f"{path}: file not found")
+    if not path.is_file():
+        raise DataError(f"{path}: not a file")
+    raw = path.read_bytes()
+    # utf-8-sig: spreadsheet exports often start with a byte-order mark
+    codec = "utf-8-sig" if encoding.lower().replace("_", "-") in ("utf-8", "utf8") else encoding
+    try:
+        return raw.decode(codec)
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(
+            f"{path}, line {line}: not valid {encoding} (byte offset {e.start}: {e.reason}); "
+            "re-save it as UTF-8 or pass encoding= (e.g. 'cp1252')"
+        ) from None
+    except LookupError:
+        raise DataError(f"{path}: unknown encoding {encoding!r}") from None
+
+
+def _read_delimited(path: Path, text: str, delimiter: str) -> tuple[list[str], list[Record]]:
+    # TSV is read without quote handling: TSV fields cannot hold tabs anyway, and GLUE-style TSVs
+    # contain unbalanced quote characters that a quote-aware parser would merge across lines.
+    quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, quoting=quoting)
+    header: list[str] | None = None
+    records: list[Record] = []
+    start = 1
+    try:
+        for row in reader:
+            where, start = f"line {start}", reader.line_num + 1  # a quoted field may span lines
+            if not row or all(not cell.strip() for cell in row):
+                continue  # blank line
+            if header is None:
+                header = [h.strip() for h in row]
+                continue
+            if len(row) != len(header):
+                raise DataError(
+                    f"{path}, {where}: expected {len(header)} fields (as in the header), found {len(row)}"
+                    + (" (unquoted comma in a field?)" if delimiter == "," and len(row) > len(header) else "")
+                )
+            records.append((where, dict(zip(header, row, strict=True))))
+    except csv.Error as e:
+        raise DataError(f"{path}, line {reader.line_num}: malformed {_kind(delimiter)} ({e})") from None
+    if header is None:
+        raise DataError(f"{path}: empty file, no header row")
+    return header, records
+
+
+def _kind(delimiter: str) -> str:
+    return "TSV" if delimiter == "\t" else "CSV"
+
+
+def _read_jsonl(path: Path, text: str) -> list[Record]:
+    records: list[Record] = []
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}, line {lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise DataError(f"{path}, line {lineno}: expected a JSON object, found {type(obj).__name__}")
+        records.append((f"line {lineno}", obj))
+    return records
+
+
+def _read_json(path: Path, text: str) -> list[Record]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}, line {e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(data, list):
+        hint = " (one object a line? use format='jsonl')" if isinstance(data, dict) else ""
+        raise DataError(f"{path}: expected a JSON array of objects, found {type(data).__name__}{hint}")
+    records: list[Record] = []
+    for i, obj in enumerate(data, start=1):
+        if not isinstance(obj, dict):
+            raise DataError(f"{path}, item {i}: expected a JSON object, found {type(obj).__name__}")
+        records.append((f"item {i}", obj))
+    return records
+
+
+def _read_label_text(path: Path, text: str, text_column: str) -> list[Record]:
+    records: list[Record] = []
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        line = line.strip()
+        if not line:
+            continue
+        parts = line.split(maxsplit=1)
+        if len(parts) != 2:
+            raise DataError(f"{path}, line {lineno}: expected 'LABEL TEXT', found no space after the label")
+        if not _INT_RE.fullmatch(parts[0]):
+            raise DataError(f"{path}, line {lineno}: label {parts[0]!r} is not an integer")
+        records.append((f"line {lineno}", {"label": parts[0], text_column: parts[1]}))
+    return records
+
+
+# --------------------------------------------------------------------------------------------------
+# Records -> TextDataset
+
+
+def _as_int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None  # JSON true/false are not class indices
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and _INT_RE.fullmatch(value.strip()):
+        return int(value)
+    return None
+
+
+def _map_labels(
+    source: str, raw: list[tuple[str, Any]], label_names: Sequence[str] | None
+) -> tuple[list[int], list[str]]:
+    """Turn raw label values (with their locations) into class indices and label names."""
+    ints = [_as_int(v) for _, v in raw]
+    if None not in ints:
+        return _map_int_labels(source, [i for i in ints if i is not None], label_names)
+    strs = [str(v).strip() for _, v in raw]
+    if label_names is None:
+        names = sorted(set(strs))
+    else:
+        names = list(label_names)
+        known = set(names)
+        for (where, _), s in zip(raw, strs, strict=True):
+            if s not in known:
+                raise DataError(f"{source}, {where}: unknown label {s!r}; expected one of {names}")
+    index = {n: k for k, n in enumerate(names)}
+    return [index[s] for s in strs], names
+
+
+def _map_int_labels(
+    source: str, ints: list[int], label_names: Sequence[str] | None
+) -> tuple[list[int], list[str]]:
+    distinct = sorted(set(ints))
+    names = [str(d) for d in distinct] if label_names is None else list(label_names)
+    if len(names) == len(distinct):
+        # Sorted values -> 0..k-1: AG News classes 1..4 become 0..3; identity for files already 0..k-1.
+        index = {d: k for k, d in enumerate(distinct)}
+        return [index[i] for i in ints], names
+    if all(0 <= i < len(names) for i in ints):
+        return ints, names  # already class indices, some classes just absent from this file
+    raise DataError(
+        f"{source}: integer labels {distinct} do not fit {len(names)} label_names {names}: "
+        f"expected values 0..{len(names) - 1} or exactly {len(names)} distinct values"
+    )
+
+
+def _records_to_dataset(
+    source: str,
+    records: list[Record],
+    text_columns: Sequence[str],
+    label_column: str | None,
+    label_names: Sequence[str] | None,
+    optional_columns: Sequence[str],
+    name: str,
+) -> TextDataset:
+    if not records:
+        raise DataError(f"{source}: no examples found")
+    if label_names is not None and len(set(label_names)) != len(label_names):
+        raise DataError(f"{source}: label_names has duplicates: {list(label_names)}")
+    optional = set(optional_columns)
+    fields: list[dict[str, str]] = []
+    raw_labels: list[tuple[str, Any]] = []
+    for where, rec in records:
+        example: dict[str, str] = {}
+        for col in text_columns:
+            value = rec.get(col)
+            if value is None and col not in optional:
+                raise DataError(f"{source}, {where}: missing column {col!r}")
+            text = "" if value is None else str(value).strip()
+            if not text and col not in optional:
+                multi = len(text_columns) > 1
+                hint = f" (pass optional_columns=[{col!r}] if it may be empty)" if multi else ""
+                raise DataError(f"{source}, {where}: empty text in column {col!r}{hint}")
+            example[col] = text
+        fields.append(example)
+        if label_column is not None:
+            value = rec.get(label_column)
+            if value is None or (isinstance(value, str) and not value.strip()):
+                raise DataError(f"{source}, {where}: missing label in column {label_column!r}")
+            raw_labels.append((where, value))
+    if label_column is None:
+        return TextDataset(fields=fields, labels=None, label_names=None, name=name)
+    labels, names = _map_labels(source, raw_labels, label_names)
+    return TextDataset(fields=fields, labels=labels, label_names=names, name=name)
+
+
+def _resolve_columns(
+    source: str,
+    where: str,
+    available: Sequence[str],
+    text_columns: Sequence[str] | None,
+    label_column: str | None,
+    optional_columns: Sequence[str],
+) -> list[str]:
+    """Default to a "text" column and check the requested columns exist, naming what is there."""
+    if text_columns is None:
+        if "text" not in available:
+            raise DataError(
+                f"{source}: no 'text' column; available columns: {list(available)}; "
+                "choose with text_columns=[...]"
+            )
+        text_columns = ["text"]
+    wanted = [c for c in text_columns if c not in optional_columns]
+    if label_column is not None:
+        wanted.append(label_column)
+    missing = [c for c in wanted if c not in available]
+    if missing:
+        hint = " (label_column=None loads unlabelled data)" if label_column in missing else ""
+        raise DataError(
+            f"{source}, {where}: missing column(s) {missing}; available columns: {list(available)}{hint}"
+        )
+    return list(text_columns)
+
+
+def load_file(
+    path: str | Path,
+    format: str | None = None,
+    *,
+    text_columns: Sequence[str] | None = None,
+    label_column: str | None = "label",
+    label_names: Sequence[str] | None = None,
+    name: str | None = None,
+    optional_columns: Sequence[str] = (),
+    encoding: str = "utf-8",
+) -> TextDataset:
+    """Load a local csv / tsv / jsonl / json (array of objects) / label-text file.
+
+    The format is inferred from the extension when not given (.txt means label-text: ``LABEL TEXT``
+    a line). ``text_columns`` picks the text fields (default: the "text" column); ``label_column=None``
+    loads unlabelled data; ``optional_columns`` lists text columns that may be missing or empty
+    (e.g. Dolly's "context"); ``encoding`` is for legacy files (MR is cp1252).
+    Integer labels become 0..k-1 in sorted order; string labels are indexed by ``label_names`` when
+    given, else by their sorted distinct values.
+    """
+    path = Path(path)
+    if format is None:
+        format = _EXTENSIONS.get(path.suffix.lower())
+        if format is None:
+            raise DataError(
+                f"{path}: cannot tell the format from the extension {path.suffix!r}; "
+                f"pass format= one of {list(FORMATS)} (extensions: {', '.join(_EXTENSIONS)})"
+            )
+    if format not in FORMATS:
+        raise DataError(f"{path}: unknown format {format!r}; accepted formats: {list(FORMATS)}")
+    text = _read_text(path, encoding)
+    name = name or path.stem
+
+    if format == "label-text":
+        columns = list(text_columns) if text_columns is not None else ["text"]
+        if len(columns) != 1:
+            raise DataError(f"{path}: label-text files have one text field, got text_columns={columns}")
+        records = _read_label_text(path, text, columns[0])
+        label_col = None if label_column is None else "label"
+        return _records_to_dataset(str(path), records, columns, label_col, label_names, (), name)
+
+    if format in ("csv", "tsv"):
+        header, records = _read_delimited(path, text, "," if format == "csv" else "\t")
+        available, where = header, "line 1 (header)"
+    else:
+        records = _read_jsonl(path, text) if format == "jsonl" else _read_json(path, text)
+        if not records:
+            raise DataError(f"{path}: no examples found")
+        available, where = list(records[0][1]), records[0][0]
+    columns = _resolve_columns(str(path), where, available, text_columns, label_column, optional_columns)
+    return _records_to_dataset(str(path), records, columns, label_column, label_names, optional_columns, name)
+
+
+# --------------------------------------------------------------------------------------------------
+# Hub
+
+
+def load_hub(
+    name: str,
+    split: str,
+    *,
+    config: str | None = None,
+    text_columns: Sequence[str] | None = None,
+    label_column: str | None = "label",
+    label_names: Sequence[str] | None = None,
+    optional_columns: Sequence[str] = (),
+) -> TextDataset:
+    """Load a split of a Hugging Face hub data set (needs network or a warm local cache).
+
+    Label names come from the data set's ClassLabel feature when it has one.
+    """
+    import datasets  # imported lazily: it is slow to import and only needed here
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        ds = datasets.load_dataset(name, config, split=split)
+    except (ConnectionError, TimeoutError, FileNotFoundError, HfHubHTTPError) as e:
+        # FileNotFoundError covers DatasetNotFoundError and LocalEntryNotFoundError (offline, no cache).
+        raise DataError(
+            f"hub:{name}: the Hugging Face hub is unreachable or has no such data set "
+            f"({type(e).__name__}: {e}). Local files work offline: pass a .csv/.tsv/.jsonl/.json/.txt path "
+            "(set HF_HUB_OFFLINE=1 to fail fast without retries)."
+        ) from e
+    return hf_to_text_dataset(
+        ds,
+        source=f"hub:{name}[{split}]",
+        text_columns=text_columns,
+        label_column=label_column,
+        label_names=label_names,
+        optional_columns=optional_columns,
+    )
+
+
+def hf_to_text_dataset(
+    ds: Any,
+    *,
+    source: str,
+    text_columns: Sequence[str] | None = None,
+    label_column: str | None = "label",
+    label_names: Sequence[str] | None = None,
+    optional_columns: Sequence[str] = (),
+) -> TextDataset:
+    """Convert a loaded ``datasets.Dataset`` (kept separate from the download so it is testable offline)."""
+    columns = _resolve_columns(
+        source, "features", ds.column_names, text_columns, label_column, optional_columns
+    )
+    records: list[Record] = [(f"row {i}", row) for i, row in enumerate(ds, start=1)]
+    feature = ds.features.get(label_column) if label_column is not None else None
+    class_names = getattr(feature, "names", None)
+    if class_names is None:
+        return _records_to_dataset(
+            source, records, columns, label_column, label_names, optional_columns, source
+        )
+    # ClassLabel: values already are indices into its names; -1 marks an unlabelled (e.g. GLUE test) row.
+    unlabelled = [where for where, row in records if row[label_column] == -1]
+    if unlabelled:
+        raise DataError(
+            f"{source}, {unlabelled[0]}: label -1 (this split is unlabelled); "
+            "use a labelled split or label_column=None"
+        )
+    texts = _records_to_dataset(source, records, columns, None, None, optional_columns, source)
+    return TextDataset(
+        fields=texts.fields,
+        labels=[int(row[label_column]) for _, row in records],
+        label_names=list(label_names) if label_names is not None else list(class_names),
+        name=source,
+    )
+
+
+def load_dataset_spec(source: str, **kwargs: Any) -> TextDataset:
+    """Load from a file path or ``hub:NAME`` (``hub:NAME:CONFIG``; split defaults to "train")."""
+    if source.startswith("hub:"):
+        name, _, config = source[len("hub:") :].partition(":")
+        if config:
+            kwargs.setdefault("config", config)
+        kwargs.setdefault("split", "train")
+        return load_hub(name, **kwargs)
+    if Path(source).exists():
+        return load_file(source, **kwargs)
+    from .builtin import BUILTIN_DATASETS  # lazy: builtin imports this module
+
+    if source in BUILTIN_DATASETS:
+        raise DataError(f"{source!r} is a built-in data set: load it with load_builtin({source!r})")
+    raise DataError(
+        f"{source!r}: no such file. Give a path to a {'/'.join(FORMATS)} file, 'hub:NAME' for a "
+        f"Hugging Face hub data set, or one of the built-in data sets: {sorted(BUILTIN_DATASETS)}"
+    )

@@ -1,0 +1,1 @@
+"""Experiment runner: config, centralized fine-tuning, checkpoints, metrics."""

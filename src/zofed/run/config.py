@@ -1,0 +1,167 @@
+"""One config object for a centralized ZO fine-tuning run, read from YAML with command-line overrides.
+
+Unknown keys and bad values are errors that name the offending key, so a typo never silently falls back
+to a default.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from zofed.data.tasks import TaskConfig
+from zofed.models.selection import TrainableConfig
+from zofed.zo.noise import NoiseKind
+from zofed.zo.optim import OPTIMIZER_NAMES
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message names the key and the problem."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSection(_Section):
+    name: str = "smollm2-135m"
+    kind: Literal["causal-lm", "encoder"] | None = None
+
+
+class DataSection(_Section):
+    source: str = "tweets"  # built-in name, file path, or hub:NAME
+    test_source: str | None = None  # file/hub split for testing; built-ins bring their own test split
+    format: str | None = None
+    text_columns: list[str] | None = None
+    label_column: str | None = "label"
+    label_names: list[str] | None = None
+    train_examples: int | None = Field(None, ge=1)  # cap on training examples (seeded subset)
+    eval_examples: int = Field(300, ge=1)  # fixed test subset evaluated during training
+    test_examples: int | None = Field(None, ge=1)  # cap on the final test evaluation
+
+
+class ZOSection(_Section):
+    noise: NoiseKind = "rademacher"
+    eps: float = Field(1e-3, gt=0)
+    queries: int = Field(1, ge=1)
+
+
+class OptimizerSection(_Section):
+    name: str = "mezo"
+    lr: float = Field(1e-4, gt=0)
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup: int = Field(0, ge=0)
+    momentum: float = Field(0.9, ge=0, lt=1)  # zo-sgd-momentum
+    beta1: float = Field(0.9, ge=0, lt=1)  # zo-adam, zo-adamu
+    beta2: float = Field(0.999, ge=0, lt=1)
+    momentum_weight: float = Field(0.5, ge=0)  # zo-adamu
+    anneal_steps: int = Field(1000, ge=1)
+    density: float = Field(0.25, gt=0, le=1)  # sparse-mezo
+    mask_interval: int = Field(50, ge=1)
+
+    @model_validator(mode="after")
+    def _known(self) -> OptimizerSection:
+        if self.name not in OPTIMIZER_NAMES:
+            raise ValueError(f"unknown ZO optimizer {self.name!r}; choose one of {', '.join(OPTIMIZER_NAMES)}")
+        return self
+
+    def hyperparameters(self) -> dict[str, float]:
+        """Only the hyperparameters the chosen optimizer takes."""
+        per_name = {"mezo": {}, "zo-sgd-momentum": {"momentum": self.momentum},
+                    "zo-adam": {"beta1": self.beta1, "beta2": self.beta2},
+                    "zo-adamu": {"beta1": self.beta1, "beta2": self.beta2,
+                                 "momentum_weight": self.momentum_weight, "anneal_steps": self.anneal_steps},
+                    "sparse-mezo": {"density": self.density, "mask_interval": self.mask_interval}}
+        return per_name[self.name]
+
+
+class TrainSection(_Section):
+    steps: int = Field(200, ge=0)
+    batch_size: int = Field(16, ge=1)
+    eval_every: int = Field(50, ge=1)
+    eval_batch_size: int = Field(32, ge=1)
+    checkpoint_every: int = Field(50, ge=1)
+    seed: int = 0
+
+
+class FinetuneConfig(_Section):
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection = Field(default_factory=DataSection)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    trainable: TrainableConfig = Field(default_factory=TrainableConfig)
+    zo: ZOSection = Field(default_factory=ZOSection)
+    optimizer: OptimizerSection = Field(default_factory=OptimizerSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    out_dir: str = "runs/finetune"
+
+
+def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    node = tree
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted}: {key} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    """`key.sub=value` strings; values are parsed as YAML so numbers, lists and booleans work."""
+    parsed = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        key, raw = item.split("=", 1)
+        parsed.append((key.strip(), yaml.safe_load(raw)))
+    return parsed
+
+
+def _format_validation(err: ValidationError, origin: str) -> str:
+    lines = [f"invalid config ({origin}):"]
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        lines.append(f"  {where}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                defaults: dict[str, Any] | None = None) -> FinetuneConfig:
+    """Defaults, then the YAML file, then `section.key=value` overrides, validated as one object."""
+    tree: dict[str, Any] = dict(defaults or {})
+    origin = "defaults"
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections, not {type(loaded).__name__}")
+        tree = _deep_merge(tree, loaded)
+        origin = str(path)
+    for key, value in parse_overrides(overrides or []):
+        _set_dotted(tree, key, value)
+    try:
+        return FinetuneConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_validation(err, origin)) from None
+
+
+def dump_config(config: FinetuneConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))

@@ -1,0 +1,152 @@
+"""Centralized ZO fine-tuning end to end on a tiny random-init model saved to a local directory."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from zofed.cli import app
+from zofed.data.sources import TextDataset
+from zofed.data.tasks import TaskConfig, make_task
+from zofed.models.registry import tiny_causal_lm
+from zofed.models.selection import TrainableConfig, select_trainable
+from zofed.run.config import ConfigError, load_config
+from zofed.run.finetune import finetune, load_run
+from zofed.zo.optim import make_optimizer
+from zofed.zo.step import zo_step
+
+POSITIVE = ["good", "great"]
+NEGATIVE = ["bad", "awful"]
+
+
+def _write_dataset(path, n, seed):
+    rng = np.random.default_rng(seed)
+    with path.open("w") as f:
+        for _ in range(n):
+            label = int(rng.integers(2))
+            word = rng.choice(POSITIVE if label else NEGATIVE)
+            filler = " ".join(f"w{int(i)}" for i in rng.integers(0, 20, size=3))
+            f.write(json.dumps({"text": f"the movie {filler} was {word}", "label": label}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("finetune")
+    tiny = tiny_causal_lm(seed=1)
+    tiny.model.save_pretrained(root / "model")
+    tiny.tokenizer.save_pretrained(root / "model")
+    _write_dataset(root / "train.jsonl", 200, 0)
+    _write_dataset(root / "test.jsonl", 60, 1)
+    return root
+
+
+def _config(ws, out, **train):
+    overrides = [f"model.name={ws / 'model'}", f"data.source={ws / 'train.jsonl'}",
+                 f"data.test_source={ws / 'test.jsonl'}", "data.eval_examples=40",
+                 "task.template='review : {text} . sentiment :'", "task.verbalizer=[negative, positive]",
+                 "trainable.mode=all", "optimizer.name=zo-adam", "optimizer.lr=0.01", "zo.eps=0.01",
+                 "train.batch_size=8", "train.eval_every=5", "train.checkpoint_every=5", f"out_dir={out}"]
+    overrides += [f"train.{k}={v}" for k, v in train.items()]
+    return load_config(None, overrides)
+
+
+def test_mezo_lowers_the_loss_of_a_tiny_causal_lm_on_a_fixed_batch():
+    tiny = tiny_causal_lm(seed=0)
+    model, trainable = select_trainable(tiny.model, TrainableConfig(mode="all"))
+    task = make_task(TaskConfig(template="review : {text} sentiment :", verbalizer=["negative", "positive"]),
+                     tiny.tokenizer, 2)
+    data = TextDataset([{"text": t} for t in ["good movie", "bad movie", "great", "awful it was"]],
+                       [1, 0, 1, 0], ["negative", "positive"], "fixed")
+    batch = task.collate(task.encode(data), [0, 1, 2, 3])
+    before = task.loss(model, batch)
+    opt = make_optimizer("mezo")
+    state = opt.init(trainable.tensors())
+    for step in range(150):
+        state, _ = zo_step(trainable.tensors(), lambda: task.loss(model, batch), opt, state, seed=step,
+                           eps=1e-2, lr=0.05)
+    assert task.loss(model, batch) < 0.8 * before
+    assert all(p.grad is None for p in model.parameters())  # the ZO path never allocates gradients
+
+
+def test_finetune_writes_metrics_weights_and_results_that_eval_reloads(workspace, tmp_path):
+    out = tmp_path / "run"
+    results = finetune(_config(workspace, out, steps=10), show_progress=False)
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in lines if r["event"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 5, 10]
+    assert sum(r["event"] == "train" for r in lines) == 10
+    assert evals[-1]["forward_passes"] == 20
+    assert json.loads((out / "results.json").read_text())["test"] == results["test"]
+    setup = load_run(out)
+    again = setup.task.evaluate(setup.model, setup.test, 32)
+    assert again == pytest.approx(results["test"], rel=1e-6)
+    saved = load_file(str(out / "final" / "trainable.safetensors"))
+    assert set(saved) == set(setup.trainable.names)
+
+
+def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(workspace, tmp_path):
+    finetune(_config(workspace, tmp_path / "whole", steps=10), show_progress=False)
+    finetune(_config(workspace, tmp_path / "split", steps=5), show_progress=False)  # "killed" after step 5
+    finetune(_config(workspace, tmp_path / "split", steps=10), resume=True, show_progress=False)
+    whole = load_file(str(tmp_path / "whole" / "final" / "trainable.safetensors"))
+    split = load_file(str(tmp_path / "split" / "final" / "trainable.safetensors"))
+    assert all(torch.equal(whole[k], split[k]) for k in whole)
+    split_steps = [json.loads(x)["step"] for x in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    assert split_steps.count(5) == 2  # one train and one eval record at step 5, nothing duplicated
+
+
+def test_existing_run_is_not_overwritten_without_resume(workspace, tmp_path):
+    finetune(_config(workspace, tmp_path / "run", steps=5), show_progress=False)
+    with pytest.raises(ConfigError, match="--resume"):
+        finetune(_config(workspace, tmp_path / "run", steps=5), show_progress=False)
+
+
+def test_config_errors_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="optimizer.lrr"):
+        load_config(None, ["optimizer.lrr=0.1"])
+    with pytest.raises(ConfigError, match="optimizer.lr"):
+        load_config(None, ["optimizer.lr=-1"])
+    with pytest.raises(ConfigError, match="unknown ZO optimizer 'sgd'"):
+        load_config(None, ["optimizer.name=sgd"])
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(None, ["steps"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("train: {steps: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(broken)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_yaml_file_and_overrides_merge_section_by_section(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optimizer: {name: zo-adam, lr: 0.002}\ntrain: {steps: 7}\n")
+    cfg = load_config(path, ["optimizer.lr=0.5"])
+    assert (cfg.optimizer.name, cfg.optimizer.lr, cfg.train.steps, cfg.train.batch_size) == ("zo-adam", 0.5, 7, 16)
+
+
+def test_cli_finetune_and_eval(workspace, tmp_path):
+    out = tmp_path / "cli"
+    cfg = _config(workspace, out, steps=5)
+    path = tmp_path / "c.yaml"
+    from zofed.run.config import dump_config
+
+    dump_config(cfg, path)
+    runner = CliRunner()
+    result = runner.invoke(app, ["finetune", "--config", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "test accuracy" in result.output
+    result = runner.invoke(app, ["eval", str(out)])
+    assert result.exit_code == 0 and "accuracy=" in result.output
+    assert json.loads((out / "eval.json").read_text())["test_examples"] == 60
+    bad = runner.invoke(app, ["finetune", "--config", str(path), "--set", "train.stepz=3"])
+    assert bad.exit_code == 2 and "train.stepz" in bad.output
+    missing = runner.invoke(app, ["finetune", "--set", f"data.source={tmp_path / 'nope.csv'}"])
+    assert missing.exit_code == 2 and "nope.csv" in missing.output
