@@ -6,9 +6,14 @@ tests fast and steady. Integration tests with real models raise it again through
 """
 
 import os
+import time
+from pathlib import Path
 
+import huggingface_hub
 import pytest
 import torch
+
+from zofed.models.registry import resolve_model_dir
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -26,3 +31,18 @@ def all_threads():
     torch.set_num_threads(_DEFAULT_THREADS)
     yield
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A $ZOFED_CACHE holding the SmolLM2 cache, built once per session with the hub offline."""
+    root = tmp_path_factory.mktemp("zofed-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ZOFED_CACHE", str(root))
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        start = time.perf_counter()
+        directory = resolve_model_dir("smollm2-135m")
+        print(f"\nSmolLM2 fp32 cache built in {time.perf_counter() - start:.1f} s")
+    assert directory == root / "models" / "smollm2-135m"
+    return root

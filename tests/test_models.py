@@ -11,7 +11,6 @@ import importlib.util
 import json
 import logging
 import shutil
-import time
 from pathlib import Path
 
 import huggingface_hub.constants
@@ -255,19 +254,6 @@ requires_minilm = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="session")
-def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A $ZOFED_CACHE holding the SmolLM2 cache, built once per session with the hub offline."""
-    root = tmp_path_factory.mktemp("zofed-cache")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("ZOFED_CACHE", str(root))
-        patch.setenv("HF_HUB_OFFLINE", "1")
-        patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-        start = time.perf_counter()
-        directory = resolve_model_dir(SMOLLM2)
-        print(f"\nSmolLM2 fp32 cache built in {time.perf_counter() - start:.1f} s")
-    assert directory == root / "models" / SMOLLM2
-    return root
 
 
 def _next_token(loaded: registry.LoadedModel, prompt: str) -> str:

@@ -14,7 +14,8 @@ from zofed.zo.step import NonFiniteLossError, replay_steps, zo_step
 def _tensors(seed=0):
     g = torch.Generator().manual_seed(seed)
     # One tensor spans several noise chunks so chunk seeding is exercised.
-    return [torch.randn(CHUNK * 2 + 123, generator=g) * 0.05, torch.randn(300, generator=g), torch.randn(7, generator=g)]
+    big = torch.randn(CHUNK * 2 + 123, generator=g) * 0.05
+    return [big, torch.randn(300, generator=g), torch.randn(7, generator=g)]
 
 
 @pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
@@ -62,7 +63,8 @@ def test_perturb_then_restore_returns_the_parameters(kind):
 def test_block_scales_scale_each_tensor():
     tensors = [torch.zeros(500), torch.zeros(500)]
     add_directions_(tensors, [(3, 1.0)], Perturbation(scales=[1.0, 0.25]))
-    assert torch.allclose(tensors[0].abs(), torch.ones(500)) and torch.allclose(tensors[1].abs(), torch.full((500,), 0.25))
+    assert torch.allclose(tensors[0].abs(), torch.ones(500))
+    assert torch.allclose(tensors[1].abs(), torch.full((500,), 0.25))
 
 
 @pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
