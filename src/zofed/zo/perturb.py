@@ -59,10 +59,10 @@ def merge_terms(terms: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
 
 @torch.no_grad()
 def add_directions_(tensors: Sequence[torch.Tensor], terms: Sequence[tuple[int, float]],
-                    perturbation: Perturbation) -> None:
+                    perturbation: Perturbation, source: NoiseSource | None = None) -> None:
     """tensors[i] += sum_k coeff_k * u_i(seed_k), streaming over tensors and chunks."""
     terms = merge_terms(terms)
-    source = NoiseSource(perturbation.kind)
+    source = source or NoiseSource(perturbation.kind)
     for i, flat in enumerate(tensors):
         for chunk, start, end in chunk_bounds(flat.numel()):
             for seed, coeff in terms:
@@ -75,7 +75,7 @@ ChunkUpdate = Callable[[int, int, int, torch.Tensor, torch.Tensor], None]
 @torch.no_grad()
 def sweep_estimate(tensors: Sequence[torch.Tensor], restore: Sequence[tuple[int, float]],
                    grad_terms: Sequence[tuple[int, float]], perturbation: Perturbation,
-                   update: ChunkUpdate) -> None:
+                   update: ChunkUpdate, source: NoiseSource | None = None) -> None:
     """One pass that first applies `restore` terms, then hands each chunk's gradient estimate
     `sum_k g_k u(seed_k)` to `update(i, start, end, param_chunk, grad_chunk)`.
 
@@ -84,7 +84,7 @@ def sweep_estimate(tensors: Sequence[torch.Tensor], restore: Sequence[tuple[int,
     restore_c = dict(merge_terms(restore))
     grad_c = dict(merge_terms(grad_terms))
     seeds = list(dict.fromkeys([*restore_c, *grad_c]))
-    source = NoiseSource(perturbation.kind)
+    source = source or NoiseSource(perturbation.kind)
     for i, flat in enumerate(tensors):
         for chunk, start, end in chunk_bounds(flat.numel()):
             grad = torch.zeros(end - start, dtype=flat.dtype)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zofed.zo.noise import derive_seed
+from zofed.zo.noise import NoiseSource, derive_seed
 from zofed.zo.optim import OptState
 from zofed.zo.perturb import Perturbation, add_directions_
 
@@ -57,20 +57,21 @@ def zo_step(tensors: Sequence[torch.Tensor], loss_fn: Callable[[], float], optim
     pert = optimizer.perturbation(tensors, state, perturbation or Perturbation())
     grads, losses = [], []
     seeds = [query_seed(seed, j) for j in range(queries)]
+    source = NoiseSource(pert.kind, cache_words=queries == 1)  # q > 1 regenerates every direction at the end
     for j, s in enumerate(seeds):
-        add_directions_(tensors, [(s, eps)], pert)
+        add_directions_(tensors, [(s, eps)], pert, source)
         loss_plus = float(loss_fn())
-        add_directions_(tensors, [(s, -2 * eps)], pert)
+        add_directions_(tensors, [(s, -2 * eps)], pert, source)
         loss_minus = float(loss_fn())
         if not (math.isfinite(loss_plus) and math.isfinite(loss_minus)):
-            add_directions_(tensors, [(s, eps)], pert)
+            add_directions_(tensors, [(s, eps)], pert, source)
             raise NonFiniteLossError(f"non-finite loss at query {j}: +eps {loss_plus}, -eps {loss_minus}")
         grads.append((loss_plus - loss_minus) / (2 * eps))
         losses.extend((loss_plus, loss_minus))
         if j < queries - 1:
-            add_directions_(tensors, [(s, eps)], pert)
+            add_directions_(tensors, [(s, eps)], pert, source)
     record = StepRecord(step=state.step, seed=seed, grads=tuple(grads), loss=sum(losses) / len(losses))
-    state = optimizer.apply(tensors, state, record.grad_terms(), [(seeds[-1], eps)], lr, pert)
+    state = optimizer.apply(tensors, state, record.grad_terms(), [(seeds[-1], eps)], lr, pert, source)
     return state, record
 
 
