@@ -8,7 +8,7 @@ setup:
 	@bash scripts/setup_env.sh
 
 demo: setup
-	$(VENV)/bin/zofed finetune --config configs/demo.yaml $(ARGS)
+	$(VENV)/bin/zofed finetune --config configs/demo.yaml --out runs/demo-$$(date +%Y%m%d-%H%M%S) $(ARGS)
 
 test: setup
 	$(VENV)/bin/ruff check src tests benchmarks

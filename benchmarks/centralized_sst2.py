@@ -53,8 +53,8 @@ def main() -> None:
         zero_shot_file.write_text(json.dumps(zero_shot))
     print(f"zero-shot test accuracy {zero_shot['accuracy']:.4f} on {len(setup.test)} examples", flush=True)
     results = finetune(config, resume=resume, show_progress=sys.stderr.isatty(), setup=setup)
-    curve = [(r["step"], round(r["eval_accuracy"], 4)) for r in MetricsLog(Path(config.out_dir) / "metrics.jsonl").read()
-             if r["event"] == "eval"]
+    records = MetricsLog(Path(config.out_dir) / "metrics.jsonl").read()
+    curve = [(r["step"], round(r["eval_accuracy"], 4)) for r in records if r["event"] == "eval"]
     row = {
         "tag": tag, "model": config.model.name, "data": "SST-2 (../shared/data/sst2), full test split",
         "test_examples": len(setup.test), "zero_shot_accuracy": round(zero_shot["accuracy"], 4),
@@ -74,7 +74,8 @@ def main() -> None:
     path.write_text(json.dumps(table, indent=2))
     lines = ["# Centralized ZO fine-tuning, SmolLM2-135M on SST-2", "",
              "Full SST-2 test split (1,821 examples). Reproduce: `make bench-centralized`.", "",
-             "| run | trainable | optimizer | lr | eps | steps | batch | seed | zero-shot | after ZO | forward passes |",
+             "| run | trainable | optimizer | lr | eps | steps | batch | seed | zero-shot | after ZO "
+             "| forward passes |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table.values():
         lines.append(f"| {r['tag']} | {r['trainable']['mode']} ({r['trainable_parameters']:,}) | "

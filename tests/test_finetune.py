@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 from zofed.cli import app
 from zofed.data.sources import TextDataset
 from zofed.data.tasks import TaskConfig, make_task
-from zofed.models.registry import tiny_causal_lm
 from zofed.models.selection import TrainableConfig, select_trainable
+from zofed.models.tiny import tiny_causal_lm
 from zofed.run.config import ConfigError, load_config
 from zofed.run.finetune import finetune, load_run
 from zofed.zo.optim import make_optimizer

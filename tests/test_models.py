@@ -17,20 +17,18 @@ import huggingface_hub.constants
 import pytest
 import torch
 
-from zofed.models import registry
+from zofed.models import gguf_cache, registry
+from zofed.models.gguf_cache import MANIFEST_NAME
 from zofed.models.registry import (
     BUILTIN_MODELS,
-    MANIFEST_NAME,
     BuiltinModel,
     ModelLoadError,
     builtin_model_names,
     cache_dir,
     load_model,
     resolve_model_dir,
-    tiny_causal_lm,
-    tiny_encoder,
-    tiny_tokenizer,
 )
+from zofed.models.tiny import tiny_causal_lm, tiny_encoder, tiny_tokenizer
 
 SMOLLM2 = "smollm2-135m"
 
@@ -226,19 +224,19 @@ def test_cache_verification_detects_each_kind_of_damage(tmp_path: Path) -> None:
     manifest = tmp_path / MANIFEST_NAME
     manifest.write_text(json.dumps({"format": 1, "source": source, "files": entries}))
 
-    assert registry._cache_problem(tmp_path, source) is None
-    assert "built from" in registry._cache_problem(tmp_path, {**source, "size": 2})
-    assert registry._cache_problem(tmp_path / "absent", source) == "missing"
+    assert gguf_cache._cache_problem(tmp_path, source) is None
+    assert "built from" in gguf_cache._cache_problem(tmp_path, {**source, "size": 2})
+    assert gguf_cache._cache_problem(tmp_path / "absent", source) == "missing"
 
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(b"WEIGHTS" + b"weights" * 99)  # same size, different bytes
-    assert registry._cache_problem(tmp_path, source) == "checksum mismatch for model.safetensors"
+    assert gguf_cache._cache_problem(tmp_path, source) == "checksum mismatch for model.safetensors"
     weights.write_bytes(b"short")
-    assert "model.safetensors has 5 bytes" in registry._cache_problem(tmp_path, source)
+    assert "model.safetensors has 5 bytes" in gguf_cache._cache_problem(tmp_path, source)
     weights.unlink()
-    assert "missing file" in registry._cache_problem(tmp_path, source)
+    assert "missing file" in gguf_cache._cache_problem(tmp_path, source)
     manifest.write_text("{not json")
-    assert "unreadable manifest" in registry._cache_problem(tmp_path, source)
+    assert "unreadable manifest" in gguf_cache._cache_problem(tmp_path, source)
 
 
 # --------------------------------------------------------------------------- built-in models (integration)
@@ -334,7 +332,7 @@ def test_smollm2_corrupt_cache_is_rebuilt(
     with weights.open("r+b") as handle:
         handle.seek(weights.stat().st_size // 2)
         handle.write(b"\xde\xad\xbe\xef" * 4)
-    with caplog.at_level(logging.WARNING, logger=registry.__name__):
+    with caplog.at_level(logging.WARNING, logger=gguf_cache.__name__):
         loaded = load_model(SMOLLM2)
     assert "checksum mismatch for model.safetensors" in caplog.text
     assert manifest.stat().st_mtime_ns != mtime  # rebuilt ...

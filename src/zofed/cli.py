@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 import json
-import sys
+import logging
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.logging import RichHandler
 from rich.table import Table
 
 app = typer.Typer(help="Federated fine-tuning of language models with zeroth-order (forward-only) gradients.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 console = Console()
+
+
+@app.callback()
+def _setup_logging() -> None:
+    """Show zofed's own progress messages (e.g. the one-time model cache build) on the console."""
+    handler = RichHandler(console=console, show_path=False, show_time=False)
+    logging.getLogger("zofed").addHandler(handler)
+    logging.getLogger("zofed").setLevel(logging.INFO)
 
 
 def _fail(message: str) -> None:
@@ -52,7 +61,7 @@ def finetune(
         console.print(f"[bold]zofed finetune[/] model={cfg.model.name} data={cfg.data.source} "
                       f"trainable={cfg.trainable.mode} optimizer={cfg.optimizer.name} steps={cfg.train.steps} "
                       f"-> {cfg.out_dir}")
-        results = run_finetune(cfg, resume=resume, show_progress=sys.stderr.isatty() or sys.stdout.isatty())
+        results = run_finetune(cfg, resume=resume, show_progress=True)
     except _user_errors() as err:
         _fail(str(err))
     _print_results(results, Path(cfg.out_dir))
@@ -68,6 +77,12 @@ def _print_results(results: dict, out: Path) -> None:
         if key in results:
             value = results[key]
             table.add_row(key, f"{value:.1f}" if isinstance(value, float) else str(value))
+    curve = results.get("eval_curve") or {}
+    if curve:
+        first, last = curve["first"], curve["last"]
+        for key in ("eval_accuracy", "eval_loss"):
+            if key in first:
+                table.add_row(f"{key} step {first['step']} -> {last['step']}", f"{first[key]:.4f} -> {last[key]:.4f}")
     console.print(table)
     console.print(f"run directory: {out} (metrics.jsonl, results.json, final/trainable.safetensors)")
 

@@ -1,4 +1,4 @@
-"""Model loading: built-in offline models, local directories, hub ids, and tiny test models."""
+"""Model loading: built-in offline models, local directories and hub ids (tiny test models: `zofed.models.tiny`)."""
 
 from zofed.models.registry import (
     BUILTIN_MODELS,
@@ -12,9 +12,6 @@ from zofed.models.registry import (
     cache_dir,
     load_model,
     resolve_model_dir,
-    tiny_causal_lm,
-    tiny_encoder,
-    tiny_tokenizer,
 )
 
 __all__ = [
@@ -29,7 +26,4 @@ __all__ = [
     "cache_dir",
     "load_model",
     "resolve_model_dir",
-    "tiny_causal_lm",
-    "tiny_encoder",
-    "tiny_tokenizer",
 ]

@@ -119,17 +119,22 @@ def finetune(config: FinetuneConfig, *, resume: bool = False, show_progress: boo
     steps, every = config.train.steps, config.train.eval_every
     forward_passes = 2 * config.zo.queries * start
 
+    columns = [TextColumn("[bold]ZO fine-tuning"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+               TextColumn("{task.fields[status]}")]
+    progress = Progress(*columns, disable=not show_progress, transient=False)
+
     def evaluate(step: int) -> dict[str, float]:
         result = setup.task.evaluate(setup.model, setup.test, config.train.eval_batch_size, watch)
         metrics.write({"step": step, "event": "eval", "forward_passes": forward_passes,
                        **{f"eval_{k}": v for k, v in result.items()}})
+        if show_progress:
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in result.items())
+            progress.console.print(f"step {step:>5}: eval on {len(watch)} test examples: {shown}")
         return result
 
-    last_eval = evaluate(start) if start == 0 else {}
-    columns = [TextColumn("[bold]ZO fine-tuning"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-               TextColumn("{task.fields[status]}")]
     t0 = time.perf_counter()
-    with Progress(*columns, disable=not show_progress, transient=False) as progress:
+    with progress:
+        last_eval = evaluate(start) if start == 0 else {}
         bar = progress.add_task("steps", total=steps, completed=start, status="")
         for step in range(start, steps):
             batch = setup.task.collate(setup.train, batch_indices(config, step, len(setup.train)))
@@ -148,7 +153,9 @@ def finetune(config: FinetuneConfig, *, resume: bool = False, show_progress: boo
             status = " ".join(f"{k} {v:.3f}" for k, v in last_eval.items())
             progress.update(bar, advance=1, status=f"loss {record.loss:.3f} | eval {status}")
     train_seconds = time.perf_counter() - t0
-    return finish(setup, out, train_seconds=train_seconds, forward_passes=forward_passes)
+    evals = [r for r in metrics.read() if r["event"] == "eval"]
+    curve = {"first": evals[0], "last": evals[-1]} if evals else {}
+    return finish(setup, out, train_seconds=train_seconds, forward_passes=forward_passes, eval_curve=curve)
 
 
 def save_final(setup: Setup, out: Path) -> None:
