@@ -20,9 +20,10 @@ console = Console()
 @app.callback()
 def _setup_logging() -> None:
     """Show zofed's own progress messages (e.g. the one-time model cache build) on the console."""
-    handler = RichHandler(console=console, show_path=False, show_time=False)
-    logging.getLogger("zofed").addHandler(handler)
-    logging.getLogger("zofed").setLevel(logging.INFO)
+    logger = logging.getLogger("zofed")
+    if not any(isinstance(h, RichHandler) for h in logger.handlers):
+        logger.addHandler(RichHandler(console=console, show_path=False, show_time=False))
+    logger.setLevel(logging.INFO)
 
 
 def _fail(message: str) -> None:
