@@ -189,3 +189,26 @@ def test_magnitude_masks_keep_the_requested_fraction():
     (large,) = magnitude_masks([t], 0.25, keep="largest")
     assert abs(float(small.float().mean()) - 0.25) < 0.01 and abs(float(large.float().mean()) - 0.25) < 0.01
     assert float(t[small].abs().max()) <= float(t[large].abs().min())
+
+
+@pytest.mark.parametrize("name", OPTIMIZER_NAMES)
+@pytest.mark.parametrize("queries", [1, 2])
+def test_steps_from_a_clean_copy_are_bit_identical_to_their_replay(name, queries):
+    """With master weights the client's update is exactly what a server rebuilds from seeds and scalars."""
+    tensors = _tensors(5)
+    start = [t.clone() for t in tensors]
+    clean = [t.clone() for t in tensors]
+    weights = [torch.randn(t.shape, generator=torch.Generator().manual_seed(i)) for i, t in enumerate(tensors)]
+
+    def loss():
+        return float(sum((torch.tanh(t) * w).sum() for t, w in zip(tensors, weights, strict=True)))
+
+    opt = make_optimizer(name)
+    state, replay_state = opt.init(clean), opt.init(start)
+    records = []
+    for t in range(4):
+        state, record = zo_step(tensors, loss, opt, state, seed=t, eps=1e-3, lr=1e-3, queries=queries, clean=clean)
+        records.append(record)
+    replay_steps(start, records, opt, replay_state, [1e-3] * 4)
+    assert all(torch.equal(t, c) for t, c in zip(tensors, clean, strict=True))
+    assert all(torch.equal(t, s) for t, s in zip(tensors, start, strict=True))

@@ -69,6 +69,19 @@ def add_directions_(tensors: Sequence[torch.Tensor], terms: Sequence[tuple[int, 
                 flat[start:end].add_(perturbation.direction(source, seed, i, chunk, start, end, coeff))
 
 
+@torch.no_grad()
+def write_directions_(out: Sequence[torch.Tensor], base: Sequence[torch.Tensor], terms: Sequence[tuple[int, float]],
+                      perturbation: Perturbation, source: NoiseSource | None = None) -> None:
+    """out[i] = base[i] + sum_k coeff_k * u_i(seed_k): perturbs from a clean copy, so no rounding accumulates."""
+    terms = merge_terms(terms)
+    source = source or NoiseSource(perturbation.kind)
+    for i, (flat, clean) in enumerate(zip(out, base, strict=True)):
+        for chunk, start, end in chunk_bounds(flat.numel()):
+            flat[start:end].copy_(clean[start:end])
+            for seed, coeff in terms:
+                flat[start:end].add_(perturbation.direction(source, seed, i, chunk, start, end, coeff))
+
+
 ChunkUpdate = Callable[[int, int, int, torch.Tensor, torch.Tensor], None]
 
 

@@ -17,7 +17,7 @@ import torch
 
 from zofed.zo.noise import NoiseSource, derive_seed
 from zofed.zo.optim import OptState
-from zofed.zo.perturb import Perturbation, add_directions_
+from zofed.zo.perturb import Perturbation, add_directions_, write_directions_
 
 
 @dataclass(frozen=True)
@@ -47,14 +47,23 @@ class NonFiniteLossError(FloatingPointError):
 
 @torch.no_grad()
 def zo_step(tensors: Sequence[torch.Tensor], loss_fn: Callable[[], float], optimizer, state: OptState, *,
-            seed: int, eps: float, lr: float, queries: int = 1,
-            perturbation: Perturbation | None = None) -> tuple[OptState, StepRecord]:
-    """Estimate the gradient of `loss_fn` at the current `tensors` and apply `optimizer` in place."""
+            seed: int, eps: float, lr: float, queries: int = 1, perturbation: Perturbation | None = None,
+            clean: Sequence[torch.Tensor] | None = None) -> tuple[OptState, StepRecord]:
+    """Estimate the gradient of `loss_fn` at the current `tensors` and apply `optimizer` in place.
+
+    With `clean` (a copy of the trainable tensors, the master weights) the perturbed points are written
+    from the copy and the optimizer updates the copy, which is then copied back: the update is then
+    bit-identical to a replay of the step's record (what a server computes), at the cost of one extra
+    copy of the trainable tensors. Without it, perturb and restore happen in place and leave fp32 rounding
+    of about one ulp per step in the parameters (inference-level memory).
+    """
     if eps <= 0:
         raise ValueError(f"eps must be positive, got {eps}")
     if queries < 1:
         raise ValueError(f"queries must be at least 1, got {queries}")
-    pert = optimizer.perturbation(tensors, state, perturbation or Perturbation())
+    pert = optimizer.perturbation(clean if clean is not None else tensors, state, perturbation or Perturbation())
+    if clean is not None:
+        return _exact_step(tensors, clean, loss_fn, optimizer, state, pert, seed, eps, lr, queries)
     grads, losses = [], []
     seeds = [query_seed(seed, j) for j in range(queries)]
     source = NoiseSource(pert.kind, cache_words=queries == 1)  # q > 1 regenerates every direction at the end
@@ -73,6 +82,31 @@ def zo_step(tensors: Sequence[torch.Tensor], loss_fn: Callable[[], float], optim
     record = StepRecord(step=state.step, seed=seed, grads=tuple(grads), loss=sum(losses) / len(losses))
     state = optimizer.apply(tensors, state, record.grad_terms(), [(seeds[-1], eps)], lr, pert, source)
     return state, record
+
+
+def _exact_step(tensors, clean, loss_fn, optimizer, state, pert, seed, eps, lr, queries):
+    grads, losses = [], []
+    seeds = [query_seed(seed, j) for j in range(queries)]
+    source = NoiseSource(pert.kind, cache_words=queries == 1)
+    for j, s in enumerate(seeds):
+        write_directions_(tensors, clean, [(s, eps)], pert, source)
+        loss_plus = float(loss_fn())
+        write_directions_(tensors, clean, [(s, -eps)], pert, source)
+        loss_minus = float(loss_fn())
+        if not (math.isfinite(loss_plus) and math.isfinite(loss_minus)):
+            _copy_(tensors, clean)
+            raise NonFiniteLossError(f"non-finite loss at query {j}: +eps {loss_plus}, -eps {loss_minus}")
+        grads.append((loss_plus - loss_minus) / (2 * eps))
+        losses.extend((loss_plus, loss_minus))
+    record = StepRecord(step=state.step, seed=seed, grads=tuple(grads), loss=sum(losses) / len(losses))
+    state = optimizer.apply(clean, state, record.grad_terms(), [], lr, pert, source)
+    _copy_(tensors, clean)
+    return state, record
+
+
+def _copy_(out: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    for o, s in zip(out, src, strict=True):
+        o.copy_(s)
 
 
 @torch.no_grad()

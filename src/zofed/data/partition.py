@@ -1,0 +1,331 @@
+"""Split one data set among federated clients: IID, label skew, pathological, quantity skew, natural groups.
+
+Every scheme is deterministic: the only randomness is ``numpy.random.default_rng`` seeded from the config,
+so the same config and data always give the same clients. A partition is a list of sorted index arrays
+into the data set, one per client, disjoint and covering every example; configurations that cannot give
+each client at least ``min_size`` examples raise :class:`PartitionError` saying what to change.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .sources import TextDataset
+
+Scheme = Literal["iid", "dirichlet", "pathological", "quantity", "natural"]
+MAX_DRAWS = 100  # Dirichlet redraws before giving up on min_size
+MAX_TABLE_ROWS = 20
+_MAX_LABEL_COLUMNS = 8  # wider label sets get a "classes" column instead of one column per label
+
+
+class PartitionError(ValueError):
+    """A partition that cannot be made as configured; the message says which client and what to change."""
+
+
+class PartitionConfig(BaseModel):
+    """How to split a data set among clients (validated: unknown keys and out-of-range values are rejected).
+
+    ``alpha`` is the Dirichlet concentration: over clients per class for "dirichlet" (label skew), over
+    client sizes for "quantity"; small alpha means strong skew. "natural" makes one client per distinct
+    value of ``fields[i][column]`` and ignores ``num_clients``: read the client count from the result.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    scheme: Scheme = "dirichlet"
+    num_clients: int = Field(10, ge=1)
+    alpha: float = Field(0.5, gt=0)
+    classes_per_client: int = Field(2, ge=1)
+    column: str | None = None
+    min_size: int = Field(2, ge=1)
+    test_fraction: float = Field(0.2, ge=0, lt=1)
+    seed: int = Field(0, ge=0)  # numpy seeds must be non-negative
+
+    @model_validator(mode="after")
+    def _natural_needs_column(self) -> PartitionConfig:
+        if self.scheme == "natural" and not self.column:
+            raise ValueError("scheme 'natural' needs column= (the field whose value defines the client)")
+        return self
+
+
+@dataclass
+class ClientSplit:
+    """One client's local train/test indices into the original data set (both sorted)."""
+
+    client_id: int
+    train: np.ndarray
+    test: np.ndarray
+
+
+# --------------------------------------------------------------------------------------------------
+# Partitioning
+
+
+def partition(data: TextDataset, config: PartitionConfig) -> list[np.ndarray]:
+    """Index arrays into ``data``, one per client: sorted, disjoint, together covering every example."""
+    n = len(data)
+    if n == 0:
+        raise PartitionError(f"{data.name}: no examples to partition")
+    if config.scheme == "natural":
+        parts = _natural(data, config.column or "")
+    else:
+        needed = config.num_clients * config.min_size
+        if n < needed:
+            # No redraw can help, so say so at once instead of after MAX_DRAWS attempts.
+            raise PartitionError(
+                f"{data.name}: {n} examples cannot give {config.num_clients} clients at least "
+                f"min_size={config.min_size} each; lower num_clients or min_size"
+            )
+        rng = np.random.default_rng(config.seed)
+        if config.scheme == "iid":
+            parts = np.array_split(rng.permutation(n), config.num_clients)
+        elif config.scheme == "dirichlet":
+            labels = _labels(data, "dirichlet")
+            parts = _redraw(lambda: _dirichlet_once(labels, config.num_clients, config.alpha, rng), data, config)
+        elif config.scheme == "pathological":
+            parts = _pathological(_labels(data, "pathological"), config, rng)
+        else:  # quantity
+            parts = _redraw(lambda: _quantity_once(n, config.num_clients, config.alpha, rng), data, config)
+    parts = [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
+    _check(parts, n, data, config)
+    return parts
+
+
+def _labels(data: TextDataset, scheme: str) -> np.ndarray:
+    if data.labels is None:
+        raise PartitionError(
+            f"{data.name}: scheme {scheme!r} splits by label but the data set is unlabelled; "
+            "use scheme 'iid' or 'quantity' (or 'natural' with a column)"
+        )
+    return np.asarray(data.labels, dtype=np.int64)
+
+
+def _dirichlet_once(labels: np.ndarray, k: int, alpha: float, rng: np.random.Generator) -> list[np.ndarray]:
+    # Hsu et al. 2019: per class, client shares ~ Dir(alpha * 1_K) cut that class's shuffled indices.
+    chunks: list[list[np.ndarray]] = [[] for _ in range(k)]
+    for c in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        cuts = (np.cumsum(rng.dirichlet(np.full(k, alpha))) * len(idx)).astype(np.int64)[:-1]
+        for client, piece in enumerate(np.split(idx, cuts)):
+            chunks[client].append(piece)
+    return [np.concatenate(c) for c in chunks]
+
+
+def _quantity_once(n: int, k: int, alpha: float, rng: np.random.Generator) -> list[np.ndarray]:
+    cuts = (np.cumsum(rng.dirichlet(np.full(k, alpha))) * n).astype(np.int64)[:-1]
+    return np.split(rng.permutation(n), cuts)
+
+
+def _redraw(draw: Callable[[], list[np.ndarray]], data: TextDataset, config: PartitionConfig) -> list[np.ndarray]:
+    """Draw until every client has min_size examples; the shared rng stream keeps this deterministic."""
+    for _ in range(MAX_DRAWS):
+        parts = draw()
+        sizes = [len(p) for p in parts]
+        if min(sizes) >= config.min_size:
+            return parts
+    client = int(np.argmin(sizes))
+    got = "no examples" if sizes[client] == 0 else f"only {sizes[client]} examples (min_size={config.min_size})"
+    raise PartitionError(
+        f"client {client} would get {got} in each of {MAX_DRAWS} draws ({config.scheme} alpha={config.alpha}, "
+        f"{config.num_clients} clients, {len(data)} examples); lower num_clients or min_size, or raise alpha"
+    )
+
+
+def _pathological(labels: np.ndarray, config: PartitionConfig, rng: np.random.Generator) -> list[np.ndarray]:
+    # Only classes present in the data count: a client holding just absent classes would be empty.
+    classes = np.unique(labels)
+    k, cpc = config.num_clients, config.classes_per_client
+    if cpc > len(classes):
+        raise PartitionError(
+            f"pathological: classes_per_client={cpc} but the data has only {len(classes)} classes; "
+            f"use classes_per_client <= {len(classes)}"
+        )
+    if k * cpc < len(classes):
+        raise PartitionError(
+            f"pathological: {k} clients x {cpc} classes cover only {k * cpc} of {len(classes)} classes, "
+            "leaving examples unassigned; raise num_clients or classes_per_client"
+        )
+    order = rng.permutation(classes)
+    # Round-robin over the shuffled list: consecutive runs of cpc <= K classes are distinct, and
+    # k * cpc >= K runs through every class at least once.
+    holders: dict[int, list[int]] = {int(c): [] for c in classes}
+    for client in range(k):
+        for j in range(cpc):
+            holders[int(order[(client * cpc + j) % len(classes)])].append(client)
+    chunks: list[list[np.ndarray]] = [[] for _ in range(k)]
+    for c, clients in holders.items():
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        for client, piece in zip(clients, np.array_split(idx, len(clients)), strict=True):
+            chunks[client].append(piece)
+    return [np.concatenate(c) for c in chunks]
+
+
+def _natural(data: TextDataset, column: str) -> list[np.ndarray]:
+    values = []
+    for i, example in enumerate(data.fields):
+        if column not in example:
+            raise PartitionError(
+                f"{data.name}: natural partition by column {column!r}, but example {i} has no such field; "
+                f"available fields: {sorted(example)}"
+            )
+        values.append(example[column])
+    # Client i is the i-th distinct value in sorted order, so ids stay stable across runs and file orders.
+    groups = {v: g for g, v in enumerate(sorted(set(values)))}
+    codes = np.array([groups[v] for v in values], dtype=np.int64)
+    return [np.flatnonzero(codes == g) for g in range(len(groups))]
+
+
+def _check(parts: list[np.ndarray], n: int, data: TextDataset, config: PartitionConfig) -> None:
+    for client, p in enumerate(parts):
+        if len(p) < config.min_size:
+            got = "no examples" if len(p) == 0 else f"only {len(p)} examples (min_size={config.min_size})"
+            raise PartitionError(
+                f"client {client} would get {got} ({config.scheme}, {len(parts)} clients, {n} examples "
+                f"in {data.name}); lower num_clients or min_size"
+            )
+    # Overlap or loss of examples is a bug in this module, not a user mistake, hence not PartitionError.
+    if not np.array_equal(np.sort(np.concatenate(parts)), np.arange(n)):
+        raise RuntimeError(f"{config.scheme} partition is not disjoint and covering; this is a bug")
+
+
+def client_splits(data: TextDataset, config: PartitionConfig) -> list[ClientSplit]:
+    """Partition, then split each client's examples into local train/test for personalized evaluation.
+
+    A client of n examples gets ``round(test_fraction * n)`` test examples, at least 1 when
+    ``test_fraction > 0`` and n >= 2, always leaving at least 1 for training.
+    """
+    splits = []
+    for client, part in enumerate(partition(data, config)):
+        n = len(part)
+        n_test = round(config.test_fraction * n)
+        if config.test_fraction > 0 and n >= 2:
+            n_test = max(n_test, 1)
+        n_test = min(n_test, n - 1)
+        # A stream per client: a client's split does not change when other clients' sizes do.
+        rng = np.random.default_rng(np.random.SeedSequence(config.seed, spawn_key=(client,)))
+        perm = rng.permutation(part)
+        splits.append(ClientSplit(client, train=np.sort(perm[n_test:]), test=np.sort(perm[:n_test])))
+    return splits
+
+
+# --------------------------------------------------------------------------------------------------
+# Reporting
+
+
+def _entropy_bits(counts: np.ndarray) -> float:
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log2(p)).sum()) + 0.0  # + 0.0 turns -0.0 into 0.0
+
+
+def summarize(data: TextDataset, parts: Sequence[np.ndarray]) -> dict[str, Any]:
+    """Per-client size, label counts and label entropy (bits), plus overall statistics.
+
+    Keys: ``clients`` (list of {client, size, label_counts, entropy}), ``num_clients``, ``num_examples``,
+    ``num_labels``, ``size_min``/``size_median``/``size_max``, ``mean_entropy``, ``global_entropy``.
+    Label fields are None for unlabelled data.
+    """
+    labels = None if data.labels is None else np.asarray(data.labels, dtype=np.int64)
+    num_labels = None if data.label_names is None else len(data.label_names)
+    clients = []
+    for client, part in enumerate(parts):
+        row: dict[str, Any] = {"client": client, "size": len(part), "label_counts": None, "entropy": None}
+        if labels is not None:
+            counts = np.bincount(labels[np.asarray(part, dtype=np.int64)], minlength=num_labels)
+            row["label_counts"], row["entropy"] = counts.tolist(), _entropy_bits(counts)
+        clients.append(row)
+    sizes = [row["size"] for row in clients]
+    labelled = labels is not None and bool(clients)
+    return {
+        "clients": clients,
+        "num_clients": len(clients),
+        "num_examples": int(sum(sizes)),
+        "num_labels": num_labels,
+        "size_min": min(sizes, default=0),
+        "size_median": float(np.median(sizes)) if sizes else 0.0,
+        "size_max": max(sizes, default=0),
+        "mean_entropy": float(np.mean([row["entropy"] for row in clients])) if labelled else None,
+        "global_entropy": _entropy_bits(np.bincount(labels, minlength=num_labels)) if labels is not None else None,
+    }
+
+
+def format_summary(summary: dict[str, Any], label_names: list[str] | None = None) -> str:
+    """A compact plain-text table (clients as rows, the first 20 shown) with an overall line at the end."""
+    num_labels = summary["num_labels"]
+    labelled = summary["mean_entropy"] is not None
+    names = [str(c) for c in range(num_labels or 0)]
+    if label_names is not None and len(label_names) == len(names):
+        names = list(label_names)
+    per_label = labelled and num_labels <= _MAX_LABEL_COLUMNS
+    header = ["client", "size"]
+    if labelled:
+        header += ["H bits"] + ([n[:10] for n in names] if per_label else ["classes"])
+    rows = []
+    for row in summary["clients"][:MAX_TABLE_ROWS]:
+        cells = [str(row["client"]), str(row["size"])]
+        if labelled:
+            counts = row["label_counts"]
+            cells.append(f"{row['entropy']:.2f}")
+            cells += [str(c) for c in counts] if per_label else [str(sum(c > 0 for c in counts))]
+        rows.append(cells)
+    widths = [max(len(h), *(len(r[j]) for r in rows)) if rows else len(h) for j, h in enumerate(header)]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(cells, widths, strict=True)) for cells in [header, *rows]]
+    hidden = summary["num_clients"] - MAX_TABLE_ROWS
+    if hidden > 0:
+        lines.append(f"... {hidden} more clients")
+    overall = (
+        f"{summary['num_clients']} clients, {summary['num_examples']} examples; size min/median/max "
+        f"{summary['size_min']}/{summary['size_median']:g}/{summary['size_max']}"
+    )
+    if labelled:
+        overall += (
+            f"; label entropy mean {summary['mean_entropy']:.2f} bits "
+            f"(global {summary['global_entropy']:.2f}, max {math.log2(num_labels):.2f})"
+        )
+    lines.append(overall)
+    return "\n".join(lines)
+
+
+def plot_partition(
+    data: TextDataset, parts: Sequence[np.ndarray], path: str | Path, *, title: str | None = None
+) -> Path:
+    """Save a stacked horizontal bar chart of label counts per client (one bar per client) as PNG."""
+    # matplotlib is slow to import and only needed here. Figure without pyplot renders through Agg
+    # and leaves the process-wide backend alone.
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
+
+    summary = summarize(data, parts)
+    k = summary["num_clients"]
+    fig = Figure(figsize=(8, min(2 + 0.25 * k, 40)))
+    ax = fig.subplots()
+    y = np.arange(k)
+    if data.labels is None:
+        ax.barh(y, [row["size"] for row in summary["clients"]], color="tab:blue")
+    else:
+        counts = np.array([row["label_counts"] for row in summary["clients"]]).reshape(k, -1)
+        names = data.label_names or []
+        # tab20 pairs light and dark shades of one hue, which makes neighbouring classes look alike.
+        cmap = colormaps["tab10" if counts.shape[1] <= 10 else "tab20"]
+        left = np.zeros(k)
+        for c in range(counts.shape[1]):
+            ax.barh(y, counts[:, c], left=left, label=names[c], color=cmap(c % cmap.N))
+            left += counts[:, c]
+        if counts.shape[1] <= 20:
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small", frameon=False)
+    ax.set_yticks(y if k <= 50 else y[:: math.ceil(k / 50)])
+    ax.invert_yaxis()  # client 0 on top, as in the text table
+    ax.set_xlabel("examples")
+    ax.set_ylabel("client")
+    ax.set_title(title or f"{data.name}: {k} clients")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=100)
+    return path

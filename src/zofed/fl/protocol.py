@@ -1,0 +1,350 @@
+"""Wire protocol between clients and server: typed messages, a versioned byte encoding, validation on receipt.
+
+Every message is laid out as (all integers and arrays little-endian, whatever the platform):
+
+    magic b"ZOFD" | uint16 version | uint8 kind (1 uplink, 2 downlink) | uint32 header length
+    | UTF-8 JSON header (sorted keys, no whitespace) | raw array bytes, in header order
+
+The header holds the scalar fields under one-letter keys (a seed-and-scalar uplink is a few hundred bytes, so
+the header is a large share of it) and one [key, dtype, shape, byte length] entry per array:
+
+    uplink:   r round_id, c client_id, b base_seed (null: explicit seeds), n num_examples, m metrics, a arrays
+              arrays s seeds, g grads, p personalization, d dense (only when not None)
+    downlink: r round_id, o mode, k config, a arrays
+              arrays s seeds, ls log_seeds, lc log_coeffs, ss server_state, w weights (only when not None)
+
+Decoding evaluates nothing: it parses JSON, compares each dtype string with the one its field requires and
+checks every length against the bytes at hand before reading, so untrusted bytes can only raise MessageError.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from zofed.zo.noise import derive_seed
+
+PROTOCOL_VERSION = 1
+MAGIC = b"ZOFD"
+KIND_UPLINK = 1
+KIND_DOWNLINK = 2
+MAX_HEADER_BYTES = 64 * 2**10  # scalars, metrics, config and array descriptors only: more is abuse
+_PREFIX = struct.Struct("<4sHBI")  # magic, version, kind, header length
+_U32_MAX = 2**32 - 1
+_U64_MAX = 2**64 - 1
+_JSON_ARGS: dict[str, Any] = {"sort_keys": True, "separators": (",", ":"), "allow_nan": False, "ensure_ascii": False}
+
+
+class MessageError(ValueError):
+    """A message that must not be sent or accepted: `reason` is a short code for programs, str() a sentence.
+
+    Reasons: too_large, bad_magic, version, unknown_kind, truncated, trailing_bytes, bad_header (decoded
+    header fields), bad_field (the same problems in an in-memory message), dtype, length_mismatch, shape,
+    non_finite, wrong_round, wrong_client.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self):  # keep the reason across process boundaries (e.g. simulation workers)
+        return type(self), (self.reason, str(self))
+
+
+# eq=False: the generated __eq__/__hash__ would compare numpy arrays with `==` and fail.
+@dataclass(frozen=True, eq=False)
+class ClientUpdate:
+    """Uplink: one client's round as step seeds and projected-gradient scalars, plus small extras."""
+
+    round_id: int  # uint32
+    client_id: int  # uint32
+    seeds: np.ndarray  # uint64 (steps,); empty when base_seed is used
+    base_seed: int | None  # uint64; step t's seed is derive_seed(base_seed, t), t = 0, 1, ... (see step_seeds)
+    grads: np.ndarray  # float32 (steps, queries)
+    personalization: np.ndarray  # float32 (blocks,); must not grow with the model
+    num_examples: int  # uint32
+    metrics: dict[str, float]  # finite numbers, sent as JSON in the header
+    dense: np.ndarray | None = None  # float32 flat update, for baselines that upload one (FedAvg, FedZO)
+
+
+@dataclass(frozen=True, eq=False)
+class ServerBroadcast:
+    """Downlink: new weights, or an update log that clients holding a replica replay."""
+
+    round_id: int  # uint32
+    mode: Literal["weights", "log"]
+    seeds: np.ndarray  # uint64: server-chosen seeds for this round; may be empty
+    log_seeds: np.ndarray  # uint64 (entries,)
+    log_coeffs: np.ndarray  # float32 (entries,) or (entries, blocks)
+    server_state: np.ndarray  # float32 (k,); may be empty
+    weights: np.ndarray | None = None  # float32 flat trainable tensors; present iff mode == "weights"
+    config: dict[str, float | int | str] = field(default_factory=dict)  # small per-round settings, JSON
+
+
+Message = ClientUpdate | ServerBroadcast
+
+
+@dataclass(frozen=True)
+class _Array:
+    key: str  # name on the wire
+    attr: str
+    dtype: str  # the only wire dtype the field accepts
+    ndims: tuple[int, ...]
+    optional: bool = False
+
+    @property
+    def itemsize(self) -> int:
+        return int(self.dtype[2:])
+
+
+_UPLINK_ARRAYS = (
+    _Array("s", "seeds", "<u8", (1,)),
+    _Array("g", "grads", "<f4", (2,)),
+    _Array("p", "personalization", "<f4", (1,)),
+    _Array("d", "dense", "<f4", (1,), optional=True),
+)
+_DOWNLINK_ARRAYS = (
+    _Array("s", "seeds", "<u8", (1,)),
+    _Array("ls", "log_seeds", "<u8", (1,)),
+    _Array("lc", "log_coeffs", "<f4", (1, 2)),
+    _Array("ss", "server_state", "<f4", (1,)),
+    _Array("w", "weights", "<f4", (1,), optional=True),
+)
+_UPLINK_KEYS = {"r", "c", "b", "n", "m", "a"}
+_DOWNLINK_KEYS = {"r", "o", "k", "a"}
+_MODES = ("weights", "log")
+
+
+def validate(msg: Message) -> None:
+    """Raise MessageError if `msg` breaks any rule that decode() enforces on received bytes."""
+    _validate(msg, "bad_field")
+
+
+def encode(msg: Message) -> bytes:
+    """The canonical bytes of a valid message: the same message always gives the same bytes."""
+    validate(msg)
+    if isinstance(msg, ClientUpdate):
+        kind, specs = KIND_UPLINK, _UPLINK_ARRAYS
+        base = None if msg.base_seed is None else int(msg.base_seed)
+        header: dict[str, Any] = {"r": int(msg.round_id), "c": int(msg.client_id), "b": base,
+                                  "n": int(msg.num_examples), "m": {k: float(v) for k, v in msg.metrics.items()}}
+    else:
+        kind, specs = KIND_DOWNLINK, _DOWNLINK_ARRAYS
+        header = {"r": int(msg.round_id), "o": msg.mode, "k": dict(msg.config)}
+    arrays = [(spec, getattr(msg, spec.attr)) for spec in specs if getattr(msg, spec.attr) is not None]
+    header["a"] = [[spec.key, spec.dtype, list(a.shape), a.size * spec.itemsize] for spec, a in arrays]
+    blob = json.dumps(header, **_JSON_ARGS).encode("utf-8")
+    if len(blob) > MAX_HEADER_BYTES:  # receivers would refuse it
+        raise MessageError("too_large", f"header is {len(blob)} bytes, over {MAX_HEADER_BYTES}: trim metrics/config")
+    parts = [_PREFIX.pack(MAGIC, PROTOCOL_VERSION, kind, len(blob)), blob]
+    parts += [np.ascontiguousarray(a, dtype=spec.dtype).tobytes() for spec, a in arrays]
+    return b"".join(parts)
+
+
+def message_nbytes(msg: Message) -> int:
+    """Bytes on the wire: how communication is counted, up and down."""
+    return len(encode(msg))
+
+
+def decode(data: bytes | bytearray | memoryview, *, expect_round: int | None = None,
+           expect_client: int | None = None, max_bytes: int = 64 * 2**20) -> Message:
+    """Parse and fully validate received bytes; raise MessageError for anything not acceptable.
+
+    `expect_client` applies to uplinks only: a broadcast names no client.
+    """
+    view = memoryview(data).cast("B")
+    if len(view) > max_bytes:
+        raise MessageError("too_large", f"message is {len(view)} bytes, over the limit of {max_bytes}")
+    if len(view) < _PREFIX.size:
+        raise MessageError("truncated", f"message is {len(view)} bytes, shorter than the {_PREFIX.size}-byte prefix")
+    magic, version, kind, header_len = _PREFIX.unpack_from(view)
+    if magic != MAGIC:
+        raise MessageError("bad_magic", f"magic is {magic!r}, expected {MAGIC!r}: not a zofed message")
+    if version != PROTOCOL_VERSION:
+        raise MessageError("version", f"protocol version {version} is not supported (this side speaks "
+                                      f"{PROTOCOL_VERSION})")
+    if kind not in (KIND_UPLINK, KIND_DOWNLINK):
+        raise MessageError("unknown_kind", f"message kind {kind} is unknown (1 uplink, 2 downlink)")
+    if header_len > MAX_HEADER_BYTES:
+        raise MessageError("too_large", f"header length {header_len} is over the limit of {MAX_HEADER_BYTES}")
+    end = _PREFIX.size + header_len
+    if end > len(view):
+        raise MessageError("truncated", f"header needs {header_len} bytes but only {len(view) - _PREFIX.size} follow")
+    header = _parse_header(view[_PREFIX.size:end])
+    keys, specs = (_UPLINK_KEYS, _UPLINK_ARRAYS) if kind == KIND_UPLINK else (_DOWNLINK_KEYS, _DOWNLINK_ARRAYS)
+    if not isinstance(header, dict) or set(header) != keys:
+        got = sorted(header) if isinstance(header, dict) else type(header).__name__
+        raise MessageError("bad_header", f"header must be an object with keys {sorted(keys)}, got {got}")
+    arrays, offset = _read_arrays(header["a"], specs, view, end)
+    if offset != len(view):
+        raise MessageError("trailing_bytes", f"{len(view) - offset} bytes follow the last array")
+    msg: Message
+    if kind == KIND_UPLINK:
+        msg = ClientUpdate(round_id=header["r"], client_id=header["c"], base_seed=header["b"],
+                           num_examples=header["n"], metrics=header["m"], **arrays)
+    else:
+        msg = ServerBroadcast(round_id=header["r"], mode=header["o"], config=header["k"], **arrays)
+    _validate(msg, "bad_header")
+    if expect_round is not None and msg.round_id != expect_round:
+        raise MessageError("wrong_round", f"round_id is {msg.round_id}, expected {expect_round}")
+    if expect_client is not None and isinstance(msg, ClientUpdate) and msg.client_id != expect_client:
+        raise MessageError("wrong_client", f"client_id is {msg.client_id}, expected {expect_client}")
+    return msg
+
+
+def step_seeds(update: ClientUpdate, steps: int | None = None) -> np.ndarray:
+    """uint64 seed of each local step: the explicit seeds, or derive_seed(base_seed, t) for t = 0 .. steps-1.
+
+    `steps` defaults to the number of grads rows; with explicit seeds it must match their count.
+    """
+    if update.base_seed is None:
+        if steps is not None and steps != len(update.seeds):
+            raise ValueError(f"update carries {len(update.seeds)} explicit seeds, asked for {steps}")
+        return update.seeds.astype(np.uint64)  # a copy: the message stays immutable
+    count = update.grads.shape[0] if steps is None else steps
+    return np.array([derive_seed(update.base_seed, t) for t in range(count)], dtype=np.uint64)
+
+
+def _parse_header(raw: memoryview) -> Any:
+    try:
+        return json.loads(bytes(raw).decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise MessageError("bad_header", f"header is not valid UTF-8 JSON: {exc}") from None
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):  # json keeps the last silently: refuse the ambiguity
+        raise ValueError("duplicate key in header object")
+    return out
+
+
+def _is_uint(value: Any, limit: int) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool) and 0 <= value <= limit
+
+
+def _read_arrays(entries: Any, specs: tuple[_Array, ...], view: memoryview,
+                 offset: int) -> tuple[dict[str, np.ndarray], int]:
+    """Arrays described by header entries [key, dtype, shape, nbytes], read from `view` starting at `offset`."""
+    if not isinstance(entries, list) or not all(_is_descriptor(e) for e in entries):
+        raise MessageError("bad_header", "header 'a' must be a list of [key, dtype, shape, nbytes] entries, "
+                                         f"each dimension in 0..{_U32_MAX}")
+    keys = [e[0] for e in entries]
+    expected = [s.key for s in specs if not s.optional or s.key in keys]
+    if keys != expected:  # one canonical order, so re-encoding a decoded message gives the same bytes
+        raise MessageError("bad_header", f"arrays must be {expected} in that order, got {keys}")
+    by_key = {s.key: s for s in specs}
+    arrays = {}
+    for key, dtype, shape, nbytes in entries:
+        spec = by_key[key]
+        if dtype != spec.dtype:
+            raise MessageError("dtype", f"{spec.attr} must have dtype {spec.dtype}, got {dtype!r}")
+        if len(shape) not in spec.ndims:
+            raise MessageError("shape", f"{spec.attr} must have {' or '.join(map(str, spec.ndims))} dimensions, "
+                                        f"got shape {shape}")
+        if nbytes != math.prod(shape) * spec.itemsize:
+            raise MessageError("length_mismatch", f"{spec.attr} declares {nbytes} bytes but shape {shape} of "
+                                                  f"{spec.dtype} needs {math.prod(shape) * spec.itemsize}")
+        if offset + nbytes > len(view):
+            raise MessageError("truncated", f"{spec.attr} needs {nbytes} bytes but {len(view) - offset} remain")
+        raw = np.frombuffer(view, dtype=spec.dtype, count=nbytes // spec.itemsize, offset=offset)
+        arrays[spec.attr] = raw.reshape(shape).astype(np.dtype(spec.dtype).newbyteorder("="))  # owned, native
+        offset += nbytes
+    return arrays, offset
+
+
+def _is_descriptor(entry: Any) -> bool:
+    return (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str) and isinstance(entry[1], str)
+            and isinstance(entry[2], list) and all(_is_uint(d, _U32_MAX) for d in entry[2])
+            and _is_uint(entry[3], _U64_MAX))
+
+
+def _validate(msg: Message, field_reason: str) -> None:
+    """Checks shared by validate() and decode(); `field_reason` tells a bad in-memory field from a bad header."""
+    if isinstance(msg, ClientUpdate):
+        name, specs = "ClientUpdate", _UPLINK_ARRAYS
+        _check_uint(msg, "round_id", _U32_MAX, field_reason)
+        _check_uint(msg, "client_id", _U32_MAX, field_reason)
+        _check_uint(msg, "num_examples", _U32_MAX, field_reason)
+        if msg.base_seed is not None:
+            _check_uint(msg, "base_seed", _U64_MAX, field_reason)
+        _check_dict(msg.metrics, "ClientUpdate.metrics", field_reason, strings=False)
+        _check_arrays(msg, name, specs)
+        steps = msg.grads.shape[0]
+        if msg.base_seed is not None and len(msg.seeds):
+            raise MessageError("shape", f"ClientUpdate has both base_seed and {len(msg.seeds)} seeds: give one")
+        if msg.base_seed is None and len(msg.seeds) != steps:
+            raise MessageError("shape", f"ClientUpdate.grads has {steps} rows but seeds has {len(msg.seeds)} "
+                                        "entries and there is no base_seed")
+        if steps and not msg.grads.shape[1]:
+            raise MessageError("shape", f"ClientUpdate.grads has {steps} steps of 0 queries")
+    elif isinstance(msg, ServerBroadcast):
+        name, specs = "ServerBroadcast", _DOWNLINK_ARRAYS
+        _check_uint(msg, "round_id", _U32_MAX, field_reason)
+        if not isinstance(msg.mode, str) or msg.mode not in _MODES:
+            raise MessageError(field_reason, f"ServerBroadcast.mode must be one of {_MODES}, got {msg.mode!r}")
+        _check_dict(msg.config, "ServerBroadcast.config", field_reason, strings=True)
+        _check_arrays(msg, name, specs)
+        if msg.log_coeffs.shape[0] != len(msg.log_seeds):
+            raise MessageError("shape", f"ServerBroadcast.log_coeffs has {msg.log_coeffs.shape[0]} rows but "
+                                        f"log_seeds has {len(msg.log_seeds)} entries")
+        if (msg.weights is not None) != (msg.mode == "weights"):
+            raise MessageError("shape", f"ServerBroadcast.weights must be given iff mode == 'weights' (mode is "
+                                        f"{msg.mode!r}, weights {'given' if msg.weights is not None else 'None'})")
+    else:
+        raise TypeError(f"expected ClientUpdate or ServerBroadcast, got {type(msg).__name__}")
+    for spec in specs:  # last: the one check that reads every value
+        value = getattr(msg, spec.attr)
+        if spec.dtype[1] == "f" and value is not None and not np.isfinite(value).all():
+            raise MessageError("non_finite", f"{name}.{spec.attr} holds NaN or infinite values")
+
+
+def _check_uint(msg: Message, attr: str, limit: int, reason: str) -> None:
+    value = getattr(msg, attr)
+    if not _is_uint(value, limit):
+        raise MessageError(reason, f"{type(msg).__name__}.{attr} must be an integer in 0..{limit}, got {value!r}")
+
+
+def _check_dict(values: Any, where: str, reason: str, *, strings: bool) -> None:
+    """metrics (strings=False): finite numbers; config (strings=True): finite int, float or str (JSON-able)."""
+    if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
+        raise MessageError(reason, f"{where} must be a dict with string keys, got {values!r:.80}")
+    for key, value in values.items():
+        if strings:
+            ok = isinstance(value, str | int | float)
+        else:  # encode() sends float(value), so any real number but a bool will do
+            ok = isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
+        if not ok:
+            allowed = "an int, float or str" if strings else "a number"
+            raise MessageError(reason, f"{where}[{key!r}] must be {allowed}, got {value!r:.80}")
+        if not isinstance(value, str) and not _finite(value):
+            raise MessageError("non_finite", f"{where}[{key!r}] is not finite: {value!r:.80}")
+
+
+def _finite(value: numbers.Real) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an integer too large for a float
+        return False
+
+
+def _check_arrays(msg: Message, name: str, specs: tuple[_Array, ...]) -> None:
+    for spec in specs:
+        value = getattr(msg, spec.attr)
+        if value is None and spec.optional:
+            continue
+        if not isinstance(value, np.ndarray) or value.dtype.newbyteorder("<") != np.dtype(spec.dtype):
+            got = value.dtype if isinstance(value, np.ndarray) else type(value).__name__
+            raise MessageError("dtype", f"{name}.{spec.attr} must be a numpy array of {np.dtype(spec.dtype)}, "
+                                        f"got {got}")
+        if value.ndim not in spec.ndims:
+            raise MessageError("shape", f"{name}.{spec.attr} must have {' or '.join(map(str, spec.ndims))} "
+                                        f"dimensions, got shape {value.shape}")
+        if any(d > _U32_MAX for d in value.shape):
+            raise MessageError("shape", f"{name}.{spec.attr} has a dimension over {_U32_MAX}: {value.shape}")
