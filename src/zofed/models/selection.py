@@ -28,6 +28,7 @@ class TrainableConfig(BaseModel):
     lora_r: int = Field(8, ge=1)
     lora_alpha: int = Field(16, ge=1)
     lora_targets: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"])
+    init_seed: int = 0  # seeds LoRA's random init, so every party (and every rerun) starts from the same adapters
     magnitude_fraction: float = Field(0.1, gt=0.0, le=1.0)
     magnitude_keep: Literal["largest", "smallest"] = "largest"
 
@@ -76,7 +77,9 @@ def select_trainable(model: torch.nn.Module, config: TrainableConfig) -> tuple[t
         lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=0.0,
                           target_modules=config.lora_targets, bias="none")
         try:
-            model = get_peft_model(model, lora)
+            with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG stream untouched
+                torch.manual_seed(config.init_seed)
+                model = get_peft_model(model, lora)
         except ValueError as err:
             raise ValueError(f"LoRA targets {config.lora_targets} do not fit this model: {err}") from None
         selected = [(n, p) for n, p in model.named_parameters() if "lora_" in n]

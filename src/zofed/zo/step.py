@@ -10,6 +10,7 @@ optimizer's pass restores the last +eps while applying the update, so a step cos
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -35,6 +36,11 @@ class StepRecord:
     def grad_terms(self) -> list[tuple[int, float]]:
         q = len(self.grads)
         return [(s, g / q) for s, g in zip(self.query_seeds(), self.grads, strict=True)]
+
+
+def _as_float32(value: float) -> float:
+    """Scalars travel as float32; the step uses the rounded value so a replay from the wire is exact."""
+    return struct.unpack("<f", struct.pack("<f", value))[0]
 
 
 def query_seed(step_seed: int, query: int) -> int:
@@ -75,7 +81,7 @@ def zo_step(tensors: Sequence[torch.Tensor], loss_fn: Callable[[], float], optim
         if not (math.isfinite(loss_plus) and math.isfinite(loss_minus)):
             add_directions_(tensors, [(s, eps)], pert, source)
             raise NonFiniteLossError(f"non-finite loss at query {j}: +eps {loss_plus}, -eps {loss_minus}")
-        grads.append((loss_plus - loss_minus) / (2 * eps))
+        grads.append(_as_float32((loss_plus - loss_minus) / (2 * eps)))
         losses.extend((loss_plus, loss_minus))
         if j < queries - 1:
             add_directions_(tensors, [(s, eps)], pert, source)
@@ -96,7 +102,7 @@ def _exact_step(tensors, clean, loss_fn, optimizer, state, pert, seed, eps, lr, 
         if not (math.isfinite(loss_plus) and math.isfinite(loss_minus)):
             _copy_(tensors, clean)
             raise NonFiniteLossError(f"non-finite loss at query {j}: +eps {loss_plus}, -eps {loss_minus}")
-        grads.append((loss_plus - loss_minus) / (2 * eps))
+        grads.append(_as_float32((loss_plus - loss_minus) / (2 * eps)))
         losses.extend((loss_plus, loss_minus))
     record = StepRecord(step=state.step, seed=seed, grads=tuple(grads), loss=sum(losses) / len(losses))
     state = optimizer.apply(clean, state, record.grad_terms(), [], lr, pert, source)
