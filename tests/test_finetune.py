@@ -2,7 +2,6 @@
 
 import json
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -17,30 +16,6 @@ from zofed.run.config import ConfigError, load_config
 from zofed.run.finetune import finetune, load_run
 from zofed.zo.optim import make_optimizer
 from zofed.zo.step import zo_step
-
-POSITIVE = ["good", "great"]
-NEGATIVE = ["bad", "awful"]
-
-
-def _write_dataset(path, n, seed):
-    rng = np.random.default_rng(seed)
-    with path.open("w") as f:
-        for _ in range(n):
-            label = int(rng.integers(2))
-            word = rng.choice(POSITIVE if label else NEGATIVE)
-            filler = " ".join(f"w{int(i)}" for i in rng.integers(0, 20, size=3))
-            f.write(json.dumps({"text": f"the movie {filler} was {word}", "label": label}) + "\n")
-
-
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("finetune")
-    tiny = tiny_causal_lm(seed=1)
-    tiny.model.save_pretrained(root / "model")
-    tiny.tokenizer.save_pretrained(root / "model")
-    _write_dataset(root / "train.jsonl", 200, 0)
-    _write_dataset(root / "test.jsonl", 60, 1)
-    return root
 
 
 def _config(ws, out, **train):
@@ -71,9 +46,9 @@ def test_mezo_lowers_the_loss_of_a_tiny_causal_lm_on_a_fixed_batch():
     assert all(p.grad is None for p in model.parameters())  # the ZO path never allocates gradients
 
 
-def test_finetune_writes_metrics_weights_and_results_that_eval_reloads(workspace, tmp_path):
+def test_finetune_writes_metrics_weights_and_results_that_eval_reloads(tiny_workspace, tmp_path):
     out = tmp_path / "run"
-    results = finetune(_config(workspace, out, steps=10), show_progress=False)
+    results = finetune(_config(tiny_workspace, out, steps=10), show_progress=False)
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in lines if r["event"] == "eval"]
     assert [r["step"] for r in evals] == [0, 5, 10]
@@ -87,10 +62,10 @@ def test_finetune_writes_metrics_weights_and_results_that_eval_reloads(workspace
     assert set(saved) == set(setup.trainable.names)
 
 
-def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(workspace, tmp_path):
-    finetune(_config(workspace, tmp_path / "whole", steps=10), show_progress=False)
-    finetune(_config(workspace, tmp_path / "split", steps=5), show_progress=False)  # "killed" after step 5
-    finetune(_config(workspace, tmp_path / "split", steps=10), resume=True, show_progress=False)
+def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(tiny_workspace, tmp_path):
+    finetune(_config(tiny_workspace, tmp_path / "whole", steps=10), show_progress=False)
+    finetune(_config(tiny_workspace, tmp_path / "split", steps=5), show_progress=False)  # "killed" after step 5
+    finetune(_config(tiny_workspace, tmp_path / "split", steps=10), resume=True, show_progress=False)
     whole = load_file(str(tmp_path / "whole" / "final" / "trainable.safetensors"))
     split = load_file(str(tmp_path / "split" / "final" / "trainable.safetensors"))
     assert all(torch.equal(whole[k], split[k]) for k in whole)
@@ -98,10 +73,10 @@ def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(workspace, tmp_pat
     assert split_steps.count(5) == 2  # one train and one eval record at step 5, nothing duplicated
 
 
-def test_existing_run_is_not_overwritten_without_resume(workspace, tmp_path):
-    finetune(_config(workspace, tmp_path / "run", steps=5), show_progress=False)
+def test_existing_run_is_not_overwritten_without_resume(tiny_workspace, tmp_path):
+    finetune(_config(tiny_workspace, tmp_path / "run", steps=5), show_progress=False)
     with pytest.raises(ConfigError, match="--resume"):
-        finetune(_config(workspace, tmp_path / "run", steps=5), show_progress=False)
+        finetune(_config(tiny_workspace, tmp_path / "run", steps=5), show_progress=False)
 
 
 def test_config_errors_name_the_key(tmp_path):
@@ -132,9 +107,9 @@ def test_yaml_file_and_overrides_merge_section_by_section(tmp_path):
     assert (cfg.optimizer.name, cfg.optimizer.lr, cfg.train.steps, cfg.train.batch_size) == ("zo-adam", 0.5, 7, 16)
 
 
-def test_cli_finetune_and_eval(workspace, tmp_path):
+def test_cli_finetune_and_eval(tiny_workspace, tmp_path):
     out = tmp_path / "cli"
-    cfg = _config(workspace, out, steps=5)
+    cfg = _config(tiny_workspace, out, steps=5)
     path = tmp_path / "c.yaml"
     from zofed.run.config import dump_config
 

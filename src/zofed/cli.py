@@ -32,11 +32,12 @@ def _fail(message: str) -> None:
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
+    from zofed.data.partition import PartitionError
     from zofed.data.sources import DataError
     from zofed.models.registry import ModelLoadError
     from zofed.run.config import ConfigError
 
-    return (ConfigError, DataError, ModelLoadError)
+    return (ConfigError, DataError, ModelLoadError, PartitionError)
 
 
 @app.command()
@@ -66,6 +67,40 @@ def finetune(
     except _user_errors() as err:
         _fail(str(err))
     _print_results(results, Path(cfg.out_dir))
+
+
+@app.command()
+def run(
+    config: Annotated[Path | None, typer.Argument(help="YAML config of the federated run")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", "-s", help="override, e.g. federation.rounds=5")] = None,
+    out: Annotated[str | None, typer.Option(help="run directory")] = None,
+    resume: Annotated[bool, typer.Option(help="continue the run in --out from its checkpoint")] = False,
+) -> None:
+    """Federated ZO fine-tuning on the in-process engine (seeds and scalars up, weights down)."""
+    from zofed.run.config import FederatedConfig, load_config
+    from zofed.run.federated import run_federated
+
+    overrides = list(set_ or []) + ([f"out_dir={out}"] if out is not None else [])
+    try:
+        cfg = load_config(config, overrides, schema=FederatedConfig)
+        fed = cfg.federation
+        console.print(f"[bold]zofed run[/] method={fed.method} model={cfg.model.name} data={cfg.data.source} "
+                      f"clients={fed.partition.num_clients} ({fed.partition.scheme}) rounds={fed.rounds} "
+                      f"-> {cfg.out_dir}")
+        results = run_federated(cfg, resume=resume, console=console)
+    except _user_errors() as err:
+        _fail(str(err))
+    table = Table(title="federated results")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in results["test"].items():
+        table.add_row(f"test {key}", f"{value:.4f}")
+    for key in ("client_accuracy_mean", "client_accuracy_worst10", "bytes_up_per_client_round",
+                "bytes_down_per_client_round", "forward_passes", "rejected_uplinks"):
+        value = results[key]
+        table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    console.print(table)
+    console.print(f"run directory: {cfg.out_dir} (metrics.jsonl/.csv, partition.png, results.json)")
 
 
 def _print_results(results: dict, out: Path) -> None:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from zofed.data.partition import PartitionConfig
 from zofed.data.tasks import TaskConfig
 from zofed.models.selection import TrainableConfig
 from zofed.zo.noise import NoiseKind
@@ -98,6 +99,33 @@ class FinetuneConfig(_Section):
     out_dir: str = "runs/finetune"
 
 
+class ServerOptimizerSection(_Section):
+    name: Literal["sgd", "adam"] = "sgd"
+    lr: float = Field(1.0, gt=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.99, ge=0, lt=1)
+    tau: float = Field(1e-6, gt=0)
+
+
+class FederationSection(_Section):
+    method: Literal["zo-seeds", "decomfl", "fedkseed", "fedmezo"] = "zo-seeds"
+    rounds: int = Field(20, ge=1)
+    clients_per_round: int = Field(5, ge=1)
+    local_steps: int = Field(10, ge=1)
+    pool_size: int = Field(64, ge=1)  # fedkseed's shared seed pool
+    partition: PartitionConfig = Field(default_factory=PartitionConfig)
+    server_optimizer: ServerOptimizerSection = Field(default_factory=ServerOptimizerSection)
+    eval_every: int = Field(1, ge=1)  # rounds between evaluations on the fixed test subset
+
+
+class FederatedConfig(FinetuneConfig):
+    """A federated run: the centralized sections (model, data, task, trainable, zo, local optimizer, train)
+    plus the federation. `train.batch_size` is the clients' local batch; `train.seed` the run seed."""
+
+    federation: FederationSection = Field(default_factory=FederationSection)
+    out_dir: str = "runs/federated"
+
+
 def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     merged = dict(base)
     for key, value in update.items():
@@ -139,7 +167,8 @@ def _format_validation(err: ValidationError, origin: str) -> str:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                defaults: dict[str, Any] | None = None) -> FinetuneConfig:
+                defaults: dict[str, Any] | None = None,
+                schema: type[FinetuneConfig] = FinetuneConfig) -> FinetuneConfig:
     """Defaults, then the YAML file, then `section.key=value` overrides, validated as one object."""
     tree: dict[str, Any] = dict(defaults or {})
     origin = "defaults"
@@ -158,7 +187,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for key, value in parse_overrides(overrides or []):
         _set_dotted(tree, key, value)
     try:
-        return FinetuneConfig.model_validate(tree)
+        return schema.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(_format_validation(err, origin)) from None
 

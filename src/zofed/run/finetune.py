@@ -42,6 +42,7 @@ class Setup:
     train: Encoded
     test: Encoded
     label_names: list[str] | None
+    train_data: TextDataset
 
 
 def load_splits(config: FinetuneConfig) -> tuple[TextDataset, TextDataset]:
@@ -67,6 +68,7 @@ def load_splits(config: FinetuneConfig) -> tuple[TextDataset, TextDataset]:
 
 
 def build(config: FinetuneConfig) -> Setup:
+    """Data, model, trainable selection and task from the config (shared by centralized and federated runs)."""
     train, test = load_splits(config)
     num_classes = len(train.label_names) if train.label_names else None
     kind = config.model.kind or ("encoder" if config.task.type == "encoder-classification" else "causal-lm")
@@ -74,7 +76,7 @@ def build(config: FinetuneConfig) -> Setup:
     model, trainable = select_trainable(loaded.model, config.trainable)
     model.eval()
     task = make_task(config.task, loaded.tokenizer, num_classes)
-    return Setup(config, model, trainable, task, task.encode(train), task.encode(test), train.label_names)
+    return Setup(config, model, trainable, task, task.encode(train), task.encode(test), train.label_names, train)
 
 
 def eval_indices(config: FinetuneConfig, test: Encoded) -> np.ndarray:

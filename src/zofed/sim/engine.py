@@ -7,6 +7,8 @@ Client sampling, batches and seeds derive from (run seed, round, client, step): 
 
 from __future__ import annotations
 
+import resource
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -16,6 +18,7 @@ import torch
 from zofed.fl.client import ClientContext, LocalTraining, load_tensors_, run_client
 from zofed.fl.protocol import decode, encode
 from zofed.fl.server import RoundInbox, ServerOptimizer, broadcast, mean_update, receive, unflatten
+from zofed.zo.optim import OptState
 from zofed.zo.perturb import Perturbation
 
 Tamper = Callable[[int, int, bytes], bytes]  # (round, client, uplink bytes) -> bytes actually delivered
@@ -37,15 +40,20 @@ def simulate(ctx: ClientContext, client_indices: Sequence[np.ndarray], *, method
              batch_size: int = 16, queries: int = 1, noise: str = "rademacher", pool_size: int = 0,
              server_optimizer: ServerOptimizer | None = None,
              evaluate: Callable[[int], dict[str, float]] | None = None, tamper: Tamper | None = None,
-             on_round: Callable[[dict], None] | None = None) -> SimulationResult:
-    """Run `rounds` federated rounds; returns the final global trainable tensors and per-round records."""
+             on_round: Callable[[dict], None] | None = None, start_round: int = 0,
+             server_state: OptState | None = None,
+             on_checkpoint: Callable[[int, list[torch.Tensor], OptState], None] | None = None) -> SimulationResult:
+    """Run rounds `start_round`..`rounds`-1 from the model's current trainable tensors; returns the final
+    global tensors and per-round records. `on_checkpoint(rounds_done, tensors, server_state)` follows
+    every round, so a run can resume from `start_round` with the saved tensors and state."""
     server_optimizer = server_optimizer or ServerOptimizer()
     global_tensors = [t.clone() for t in ctx.trainable.tensors()]
-    server_state = server_optimizer.init(global_tensors)
+    server_state = server_state if server_state is not None else server_optimizer.init(global_tensors)
     num_trainable = sum(t.numel() for t in global_tensors)
     perturbation = Perturbation(kind=noise, masks=ctx.trainable.masks)
     result = SimulationResult(global_tensors)
-    for round_id in range(rounds):
+    for round_id in range(start_round, rounds):
+        t0 = time.perf_counter()
         plan = LocalTraining(method, run_seed, round_id, local_steps, lr, eps, queries, batch_size, noise, pool_size)
         downlink = encode(broadcast(round_id, global_tensors, {"lr": lr, "local_steps": local_steps}))
         received = decode(downlink, expect_round=round_id, max_bytes=len(downlink))
@@ -68,10 +76,14 @@ def simulate(ctx: ClientContext, client_indices: Sequence[np.ndarray], *, method
                   "rejected": [{"client": c, "reason": r} for c, r in inbox.rejected],
                   "bytes_up_per_client": float(np.mean(inbox.bytes_up)), "bytes_down_per_client": len(downlink),
                   "train_loss": float(np.mean(losses)),
-                  "forward_passes": 2 * queries * local_steps * len(sampled) * (round_id + 1)}
+                  "forward_passes": 2 * queries * local_steps * len(sampled) * (round_id + 1),
+                  "round_seconds": round(time.perf_counter() - t0, 3),
+                  "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
         if evaluate is not None:
             record.update(evaluate(round_id + 1))
         result.history.append(record)
+        if on_checkpoint is not None:
+            on_checkpoint(round_id + 1, global_tensors, server_state)
         if on_round is not None:
             on_round(record)
     return result

@@ -1,0 +1,136 @@
+"""A federated run on the in-process engine, top to bottom: build, partition, simulate rounds, evaluate, save.
+
+The run directory holds the resolved config, the partition (summary, JSON, plot), metrics per round as JSON
+lines and CSV, a checkpoint after every round (global trainable tensors, server optimizer state, round), the
+final trainable tensors and results.json. Rounds derive everything from (run seed, round), so a run resumed
+from its checkpoint ends exactly where an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from zofed.data.partition import ClientSplit, client_splits, format_summary, plot_partition, summarize
+from zofed.fl.client import ClientContext, load_tensors_
+from zofed.fl.server import ServerOptimizer
+from zofed.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, write_atomic_text
+from zofed.run.config import ConfigError, FederatedConfig, dump_config
+from zofed.run.finetune import Setup, build, eval_indices, save_final
+from zofed.run.metrics import MetricsLog
+from zofed.sim.engine import simulate
+from zofed.zo.optim import OptState
+
+
+def per_client_accuracy(setup: Setup, splits: list[ClientSplit], batch_size: int) -> list[float]:
+    """The global model's accuracy on each client's own held-out examples (personalized evaluation)."""
+    evaluate = setup.task.evaluate
+    return [evaluate(setup.model, setup.train, batch_size, s.test)["accuracy"] for s in splits if len(s.test)]
+
+
+def worst_decile_mean(values: list[float]) -> float:
+    ordered = sorted(values)
+    return float(np.mean(ordered[: max(1, len(ordered) // 10)]))
+
+
+def _write_csv(metrics: MetricsLog, path: Path) -> None:
+    rows = [{k: (json.dumps(v) if isinstance(v, list | dict) else v) for k, v in r.items()} for r in metrics.read()]
+    if not rows:
+        return
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns)
+    writer.writeheader()
+    writer.writerows(rows)
+    write_atomic_text(path, buffer.getvalue())
+
+
+def run_federated(config: FederatedConfig, *, resume: bool = False, show_progress: bool = True,
+                  console: Console | None = None) -> dict[str, Any]:
+    """Run the configured federation on the in-process engine; returns (and writes) the final results."""
+    console = console or Console()
+    out = Path(config.out_dir)
+    if find_checkpoint(out / "checkpoint") is not None and not resume:
+        raise ConfigError(f"{out} already holds a run; pass --resume to continue it or choose another out_dir")
+    if config.optimizer.name != "mezo":
+        raise ConfigError(f"federated clients run MeZO locally (their steps must be rebuilt from seeds and scalars); "
+                          f"optimizer.name={config.optimizer.name!r} is not supported here yet")
+    fed = config.federation
+    out.mkdir(parents=True, exist_ok=True)
+    dump_config(config, out / "config.yaml")
+    setup = build(config)
+    splits = client_splits(setup.train_data, fed.partition)
+    summary = summarize(setup.train_data, [s.train for s in splits])
+    console.print(format_summary(summary, setup.label_names))
+    write_atomic_text(out / "partition.json", json.dumps({"summary": summary, "clients": [
+        {"client": s.client_id, "train": s.train.tolist(), "test": s.test.tolist()} for s in splits]}))
+    plot_partition(setup.train_data, [s.train for s in splits], out / "partition.png",
+                   title=f"{fed.partition.scheme} (alpha {fed.partition.alpha}), {len(splits)} clients")
+
+    server_optimizer = ServerOptimizer(**fed.server_optimizer.model_dump())
+    metrics = MetricsLog(out / "metrics.jsonl")
+    start_round, server_state = 0, None
+    if find_checkpoint(out / "checkpoint") is not None:
+        saved, meta = load_checkpoint(out / "checkpoint")
+        setup.trainable.load_state_dict(saved["trainable"])
+        server_state = OptState.from_tensors(saved["server"])
+        start_round = int(meta["round"])
+        metrics.truncate_after(start_round)
+    watch = eval_indices(config, setup.test)
+    ctx = ClientContext(setup.model, setup.trainable, setup.task, setup.train)
+
+    def evaluate(round_done: int) -> dict[str, float]:
+        if round_done % fed.eval_every and round_done != fed.rounds:
+            return {}
+        result = setup.task.evaluate(setup.model, setup.test, config.train.eval_batch_size, watch)
+        return {f"eval_{k}": v for k, v in result.items()}
+
+    def checkpoint(round_done: int, tensors, state: OptState) -> None:
+        load_tensors_(setup.trainable.tensors(), tensors)
+        save_checkpoint(out / "checkpoint", {"trainable": setup.trainable.state_dict(),
+                                             "server": state.to_tensors()}, {"round": round_done})
+
+    columns = [TextColumn("[bold]federated rounds"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+               TextColumn("{task.fields[status]}")]
+    t0 = time.perf_counter()
+    with Progress(*columns, console=console, disable=not show_progress) as progress:
+        bar = progress.add_task("rounds", total=fed.rounds, completed=start_round, status="")
+
+        def on_round(record: dict) -> None:
+            metrics.write({"step": record["round"], "event": "round", **record})
+            _write_csv(metrics, out / "metrics.csv")
+            shown = f"loss {record['train_loss']:.3f}"
+            if "eval_accuracy" in record:
+                shown += f" | eval acc {record['eval_accuracy']:.4f}"
+            if record["rejected"]:
+                shown += f" | rejected {len(record['rejected'])}"
+            progress.update(bar, advance=1, status=shown)
+
+        simulate(ctx, [s.train for s in splits], method=fed.method, rounds=fed.rounds,
+                 clients_per_round=fed.clients_per_round, local_steps=fed.local_steps, lr=config.optimizer.lr,
+                 eps=config.zo.eps, run_seed=config.train.seed, batch_size=config.train.batch_size,
+                 queries=config.zo.queries, noise=config.zo.noise, pool_size=fed.pool_size,
+                 server_optimizer=server_optimizer, evaluate=evaluate, on_round=on_round,
+                 start_round=start_round, server_state=server_state, on_checkpoint=checkpoint)
+    save_final(setup, out)
+    test = setup.task.evaluate(setup.model, setup.test, config.train.eval_batch_size)
+    clients = per_client_accuracy(setup, splits, config.train.eval_batch_size)
+    history = [r for r in metrics.read() if r["event"] == "round"]
+    results = {"test": test, "test_examples": len(setup.test), "method": fed.method, "rounds": fed.rounds,
+               "client_accuracy_mean": float(np.mean(clients)) if clients else None,
+               "client_accuracy_worst10": worst_decile_mean(clients) if clients else None,
+               "bytes_up_per_client_round": float(np.mean([r["bytes_up_per_client"] for r in history])),
+               "bytes_down_per_client_round": float(np.mean([r["bytes_down_per_client"] for r in history])),
+               "forward_passes": history[-1]["forward_passes"] if history else 0,
+               "rejected_uplinks": sum(len(r["rejected"]) for r in history),
+               "trainable_parameters": setup.trainable.numel(), "seconds_this_sitting": time.perf_counter() - t0}
+    write_atomic_text(out / "results.json", json.dumps(results, indent=2))
+    return results

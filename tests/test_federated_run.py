@@ -1,0 +1,75 @@
+"""`zofed run`: a federated run on the in-process engine, its run directory, resume, and config errors."""
+
+import csv
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from zofed.cli import app
+from zofed.run.config import ConfigError, FederatedConfig, dump_config, load_config
+from zofed.run.federated import run_federated, worst_decile_mean
+
+
+def _config(ws, out, *extra):
+    overrides = [f"model.name={ws / 'model'}", f"data.source={ws / 'train.jsonl'}",
+                 f"data.test_source={ws / 'test.jsonl'}", "data.eval_examples=30",
+                 "task.template='review : {text} . sentiment :'", "task.verbalizer=[negative, positive]",
+                 "trainable.mode=lora", "trainable.lora_r=2", "optimizer.lr=0.02", "zo.eps=0.01",
+                 "train.batch_size=8", "federation.rounds=3", "federation.clients_per_round=2",
+                 "federation.local_steps=2", "federation.partition.num_clients=4",
+                 "federation.partition.alpha=1.0", f"out_dir={out}", *extra]
+    return load_config(None, overrides, schema=FederatedConfig)
+
+
+def test_run_writes_round_metrics_csv_partition_and_results(tiny_workspace, tmp_path):
+    out = tmp_path / "run"
+    results = run_federated(_config(tiny_workspace, out), show_progress=False)
+    rounds = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rounds] == [1, 2, 3]
+    assert all(r["accepted"] == 2 and 0 < r["bytes_up_per_client"] < 400 for r in rounds)
+    assert all("eval_accuracy" in r and r["peak_rss_mib"] > 0 for r in rounds)
+    with (out / "metrics.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == 3
+    assert (out / "partition.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(json.loads((out / "partition.json").read_text())["clients"]) == 4
+    assert 0.0 <= results["client_accuracy_worst10"] <= results["client_accuracy_mean"] <= 1.0
+    assert results["bytes_down_per_client_round"] > results["bytes_up_per_client_round"]
+    assert results["forward_passes"] == 3 * 2 * 2 * 2
+
+
+def test_resumed_federated_run_ends_bit_identical(tiny_workspace, tmp_path):
+    run_federated(_config(tiny_workspace, tmp_path / "whole"), show_progress=False)
+    run_federated(_config(tiny_workspace, tmp_path / "split", "federation.rounds=2"), show_progress=False)
+    run_federated(_config(tiny_workspace, tmp_path / "split"), resume=True, show_progress=False)
+    whole = load_file(str(tmp_path / "whole" / "final" / "trainable.safetensors"))
+    split = load_file(str(tmp_path / "split" / "final" / "trainable.safetensors"))
+    assert all(torch.equal(whole[k], split[k]) for k in whole)
+
+
+def test_federated_config_errors(tiny_workspace, tmp_path):
+    with pytest.raises(ConfigError, match="federation.method"):
+        _config(tiny_workspace, tmp_path, "federation.method=fedsomething")
+    with pytest.raises(ConfigError, match="federation.partition.alpha"):
+        _config(tiny_workspace, tmp_path, "federation.partition.alpha=0")
+    with pytest.raises(ConfigError, match="MeZO locally"):
+        run_federated(_config(tiny_workspace, tmp_path / "r", "optimizer.name=zo-adam"), show_progress=False)
+
+
+def test_cli_run_and_a_partition_that_cannot_be_made(tiny_workspace, tmp_path):
+    path = tmp_path / "fed.yaml"
+    dump_config(_config(tiny_workspace, tmp_path / "cli", "federation.rounds=1"), path)
+    runner = CliRunner()
+    result = runner.invoke(app, ["run", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "client_accuracy_mean" in result.output
+    bad = runner.invoke(app, ["run", str(path), "--out", str(tmp_path / "bad"),
+                              "--set", "federation.partition.num_clients=150"])
+    assert bad.exit_code == 2 and "client" in bad.output
+
+
+def test_worst_decile_mean():
+    assert worst_decile_mean([0.9] * 18 + [0.1, 0.3]) == pytest.approx(0.2)
+    assert worst_decile_mean([0.5]) == 0.5
