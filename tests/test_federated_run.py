@@ -73,3 +73,20 @@ def test_cli_run_and_a_partition_that_cannot_be_made(tiny_workspace, tmp_path):
 def test_worst_decile_mean():
     assert worst_decile_mean([0.9] * 18 + [0.1, 0.3]) == pytest.approx(0.2)
     assert worst_decile_mean([0.5]) == 0.5
+
+
+def test_report_compares_runs_with_plots_and_a_table(tiny_workspace, tmp_path):
+    for method in ("zo-seeds", "fedmezo"):
+        run_federated(_config(tiny_workspace, tmp_path / method, "federation.rounds=2", f"federation.method={method}"),
+                      show_progress=False)
+    result = CliRunner().invoke(app, ["report", str(tmp_path / "zo-seeds"), str(tmp_path / "fedmezo"),
+                                      "--out", str(tmp_path / "report")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "report" / "report.png").read_bytes()[:4] == b"\x89PNG"
+    table = (tmp_path / "report" / "report.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| zo-seeds") or line.startswith("| fedmezo")]
+    assert len(rows) == 2
+    up = {row.split("|")[1].strip(): float(row.split("|")[7].replace(",", "")) for row in rows}
+    assert up["fedmezo"] > 10 * up["zo-seeds"]  # dense uploads cost far more than seeds and scalars
+    bad = CliRunner().invoke(app, ["report", str(tmp_path)])
+    assert bad.exit_code == 2 and "not a finished zofed run" in " ".join(bad.output.split())

@@ -103,6 +103,22 @@ def run(
     console.print(f"run directory: {cfg.out_dir} (metrics.jsonl/.csv, partition.png, results.json)")
 
 
+@app.command()
+def report(
+    run_dirs: Annotated[list[Path], typer.Argument(help="federated run directories to compare")],
+    out: Annotated[Path, typer.Option(help="where to write report.png and report.md")] = Path("report"),
+) -> None:
+    """Plot accuracy against rounds and bytes, and the per-client spread; write a markdown summary."""
+    from zofed.run.report import write_report
+
+    try:
+        png, md = write_report(run_dirs, out)
+    except _user_errors() as err:
+        _fail(str(err))
+    console.print(md.read_text())
+    console.print(f"wrote {png} and {md}")
+
+
 def _print_results(results: dict, out: Path) -> None:
     table = Table(title="results")
     table.add_column("metric")

@@ -125,6 +125,7 @@ def run_federated(config: FederatedConfig, *, resume: bool = False, show_progres
     clients = per_client_accuracy(setup, splits, config.train.eval_batch_size)
     history = [r for r in metrics.read() if r["event"] == "round"]
     results = {"test": test, "test_examples": len(setup.test), "method": fed.method, "rounds": fed.rounds,
+               "client_accuracies": clients,
                "client_accuracy_mean": float(np.mean(clients)) if clients else None,
                "client_accuracy_worst10": worst_decile_mean(clients) if clients else None,
                "bytes_up_per_client_round": float(np.mean([r["bytes_up_per_client"] for r in history])),

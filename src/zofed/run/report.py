@@ -1,0 +1,89 @@
+"""`zofed report`: compare federated runs as plots (PNG) and a markdown summary.
+
+Three figures: accuracy on the fixed test subset against rounds, the same against cumulative uplink bytes per
+client (log scale: seed-and-scalar methods and dense-upload methods differ by orders of magnitude), and the
+spread of the final global model's accuracy over the clients' own held-out data.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from zofed.run.checkpoint import write_atomic_text
+from zofed.run.config import ConfigError
+from zofed.run.metrics import MetricsLog
+
+
+@dataclass
+class RunSummary:
+    name: str
+    method: str
+    rounds: list[int]
+    accuracy: list[float]  # eval accuracy at the rounds that were evaluated
+    cumulative_up: list[float]  # uplink bytes per client, summed up to each evaluated round
+    results: dict
+
+
+def load_run_summary(run_dir: Path) -> RunSummary:
+    run_dir = Path(run_dir)
+    needed = [run_dir / "metrics.jsonl", run_dir / "results.json", run_dir / "config.yaml"]
+    missing = [p.name for p in needed if not p.is_file()]
+    if missing:
+        raise ConfigError(f"{run_dir} is not a finished zofed run directory (missing {', '.join(missing)})")
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    if "federation" not in config:
+        raise ConfigError(f"{run_dir} is a centralized run; zofed report compares federated runs")
+    records = [r for r in MetricsLog(run_dir / "metrics.jsonl").read() if r.get("event") == "round"]
+    up = np.cumsum([r["bytes_up_per_client"] for r in records])
+    evaluated = [(r["round"], r["eval_accuracy"], up[i]) for i, r in enumerate(records) if "eval_accuracy" in r]
+    return RunSummary(run_dir.name, config["federation"]["method"], [e[0] for e in evaluated],
+                      [e[1] for e in evaluated], [float(e[2]) for e in evaluated],
+                      json.loads((run_dir / "results.json").read_text()))
+
+
+def _figure(runs: list[RunSummary], out: Path) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(15, 4.2))
+    by_round, by_bytes, spread = fig.subplots(1, 3)
+    for run in runs:
+        label = f"{run.name} ({run.method})"
+        by_round.plot(run.rounds, run.accuracy, marker="o", ms=3, label=label)
+        by_bytes.plot(run.cumulative_up, run.accuracy, marker="o", ms=3, label=label)
+    by_round.set(xlabel="round", ylabel="test accuracy (fixed subset)", title="accuracy against rounds")
+    by_bytes.set(xscale="log", xlabel="cumulative uplink bytes per client", title="accuracy against bytes sent")
+    spreads = [run.results.get("client_accuracies") or [np.nan] for run in runs]
+    spread.boxplot(spreads, tick_labels=[run.name for run in runs], vert=True)
+    spread.set(ylabel="accuracy on each client's own test split", title="per-client accuracy (final model)")
+    spread.tick_params(axis="x", labelrotation=20)
+    by_round.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def _markdown(runs: list[RunSummary]) -> str:
+    lines = ["| run | method | rounds | test accuracy | client mean | client worst 10% | bytes up / client / round "
+             "| bytes down / client / round | forward passes | rejected uplinks |", "|" + "---|" * 10]
+    for run in runs:
+        r = run.results
+        lines.append(f"| {run.name} | {run.method} | {r['rounds']} | {r['test']['accuracy']:.4f} "
+                     f"| {r['client_accuracy_mean']:.4f} | {r['client_accuracy_worst10']:.4f} "
+                     f"| {r['bytes_up_per_client_round']:,.0f} | {r['bytes_down_per_client_round']:,.0f} "
+                     f"| {r['forward_passes']:,} | {r['rejected_uplinks']} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(run_dirs: list[Path], out_dir: Path) -> tuple[Path, Path]:
+    """Write report.png and report.md for `run_dirs` into `out_dir`; returns both paths."""
+    runs = [load_run_summary(Path(d)) for d in run_dirs]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png, md = out_dir / "report.png", out_dir / "report.md"
+    _figure(runs, png)
+    write_atomic_text(md, f"# zofed report\n\n![accuracy, bytes, client spread]({png.name})\n\n{_markdown(runs)}")
+    return png, md
