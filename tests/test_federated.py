@@ -136,3 +136,26 @@ def test_a_round_where_every_uplink_is_bad_keeps_the_model():
     assert all(torch.equal(a, b) for a, b in zip(broken.global_tensors, ctx.trainable.tensors(), strict=True))
     assert encode  # the encoder is what the run used; bytes were measured from it
     assert clean.history[0]["bytes_up_per_client"] < 400
+
+
+def test_first_order_client_uploads_its_dense_update_and_leaves_no_gradients():
+    from zofed.fl.first_order import run_first_order_client
+
+    ctx = _context(mode="lora")
+    start = [t.clone() for t in ctx.trainable.tensors()]
+    batch = ctx.task.collate(ctx.train, list(range(40)))
+    before = ctx.task.loss(ctx.model, batch)
+    plan = LocalTraining("fedavg", 1, 0, local_steps=15, lr=5e-2, eps=1e-2, batch_size=16)
+    update, final = run_first_order_client(ctx, start, 0, np.arange(120), plan)
+    assert update.dense.size == sum(t.numel() for t in start) and update.grads.shape[0] == 0
+    rebuilt = rebuild_client_update(start, update, plan, Perturbation())
+    assert all(torch.allclose(r, f - s) for r, f, s in zip(rebuilt, final, start, strict=True))
+    assert ctx.task.loss(ctx.model, batch) < before  # back-propagation really trained
+    assert all(p.grad is None and not p.requires_grad for p in ctx.model.parameters())
+
+
+def test_fedavg_run_and_its_bytes():
+    result, history = _run(method="fedavg", rounds=2)
+    assert all(r["accepted"] == 3 for r in history)
+    numel = sum(t.numel() for t in result.global_tensors)
+    assert history[0]["bytes_up_per_client"] > 4 * numel  # the dense update crosses the wire

@@ -95,9 +95,13 @@ class Task:
     def logits(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         raise NotImplementedError
 
+    def loss_tensor(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        """The mean loss as a tensor (differentiable when autograd is on: first-order baselines use it)."""
+        return F.cross_entropy(self.logits(model, batch), batch.labels)
+
     @torch.no_grad()
     def loss(self, model: torch.nn.Module, batch: Batch) -> float:
-        return float(F.cross_entropy(self.logits(model, batch), batch.labels))
+        return float(self.loss_tensor(model, batch))
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, data: Encoded, batch_size: int = 32,
@@ -173,10 +177,9 @@ class CausalLM(Task):
             labels[k, data.prompt_lengths[i]: len(r)] = torch.tensor(r[data.prompt_lengths[i]:])
         return Batch(ids, mask, labels)
 
-    @torch.no_grad()
-    def loss(self, model: torch.nn.Module, batch: Batch) -> float:
+    def loss_tensor(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        return float(F.cross_entropy(logits[:, :-1].flatten(0, 1), batch.labels[:, 1:].flatten(), ignore_index=-100))
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch.labels[:, 1:].flatten(), ignore_index=-100)
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, data: Encoded, batch_size: int = 16,

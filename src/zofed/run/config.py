@@ -108,11 +108,13 @@ class ServerOptimizerSection(_Section):
 
 
 class FederationSection(_Section):
-    method: Literal["zo-seeds", "decomfl", "fedkseed", "fedmezo"] = "zo-seeds"
+    method: Literal["zo-seeds", "decomfl", "fedkseed", "fedmezo", "fedavg", "fedadam"] = "zo-seeds"
     rounds: int = Field(20, ge=1)
     clients_per_round: int = Field(5, ge=1)
     local_steps: int = Field(10, ge=1)
     pool_size: int = Field(64, ge=1)  # fedkseed's shared seed pool
+    first_order_optimizer: Literal["adamw", "sgd"] = "adamw"  # fedavg, fedadam: clients back-propagate
+    first_order_lr: float = Field(1e-3, gt=0)
     partition: PartitionConfig = Field(default_factory=PartitionConfig)
     server_optimizer: ServerOptimizerSection = Field(default_factory=ServerOptimizerSection)
     eval_every: int = Field(1, ge=1)  # rounds between evaluations on the fixed test subset

@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from zofed.data.partition import ClientSplit, client_splits, format_summary, plot_partition, summarize
 from zofed.fl.client import ClientContext, load_tensors_
+from zofed.fl.first_order import FIRST_ORDER_METHODS, SERVER_OPTIMIZER_OF
 from zofed.fl.server import ServerOptimizer
 from zofed.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, write_atomic_text
 from zofed.run.config import ConfigError, FederatedConfig, dump_config
@@ -60,10 +61,14 @@ def run_federated(config: FederatedConfig, *, resume: bool = False, show_progres
     out = Path(config.out_dir)
     if find_checkpoint(out / "checkpoint") is not None and not resume:
         raise ConfigError(f"{out} already holds a run; pass --resume to continue it or choose another out_dir")
-    if config.optimizer.name != "mezo":
+    fed = config.federation
+    first_order = fed.method in FIRST_ORDER_METHODS
+    if not first_order and config.optimizer.name != "mezo":
         raise ConfigError(f"federated clients run MeZO locally (their steps must be rebuilt from seeds and scalars); "
                           f"optimizer.name={config.optimizer.name!r} is not supported here yet")
-    fed = config.federation
+    if first_order and fed.server_optimizer.name != SERVER_OPTIMIZER_OF[fed.method]:
+        raise ConfigError(f"{fed.method} uses the {SERVER_OPTIMIZER_OF[fed.method]} server optimizer: set "
+                          f"federation.server_optimizer.name={SERVER_OPTIMIZER_OF[fed.method]}")
     out.mkdir(parents=True, exist_ok=True)
     dump_config(config, out / "config.yaml")
     setup = build(config)
@@ -118,7 +123,8 @@ def run_federated(config: FederatedConfig, *, resume: bool = False, show_progres
                  clients_per_round=fed.clients_per_round, local_steps=fed.local_steps, lr=config.optimizer.lr,
                  eps=config.zo.eps, run_seed=config.train.seed, batch_size=config.train.batch_size,
                  queries=config.zo.queries, noise=config.zo.noise, pool_size=fed.pool_size,
-                 server_optimizer=server_optimizer, evaluate=evaluate, on_round=on_round,
+                 server_optimizer=server_optimizer, first_order_optimizer=fed.first_order_optimizer,
+                 evaluate=evaluate, on_round=on_round,
                  start_round=start_round, server_state=server_state, on_checkpoint=checkpoint)
     save_final(setup, out)
     test = setup.task.evaluate(setup.model, setup.test, config.train.eval_batch_size)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from zofed.fl.client import ClientContext, LocalTraining, load_tensors_, run_client
+from zofed.fl.first_order import FIRST_ORDER_METHODS, run_first_order_client
 from zofed.fl.protocol import decode, encode
 from zofed.fl.server import RoundInbox, ServerOptimizer, broadcast, mean_update, receive, unflatten
 from zofed.zo.optim import OptState
@@ -38,7 +39,7 @@ def sample_clients(run_seed: int, round_id: int, num_clients: int, per_round: in
 def simulate(ctx: ClientContext, client_indices: Sequence[np.ndarray], *, method: str, rounds: int,
              clients_per_round: int, local_steps: int, lr: float, eps: float, run_seed: int = 0,
              batch_size: int = 16, queries: int = 1, noise: str = "rademacher", pool_size: int = 0,
-             server_optimizer: ServerOptimizer | None = None,
+             server_optimizer: ServerOptimizer | None = None, first_order_optimizer: str = "adamw",
              evaluate: Callable[[int], dict[str, float]] | None = None, tamper: Tamper | None = None,
              on_round: Callable[[dict], None] | None = None, start_round: int = 0,
              server_state: OptState | None = None,
@@ -62,7 +63,11 @@ def simulate(ctx: ClientContext, client_indices: Sequence[np.ndarray], *, method
         sampled = sample_clients(run_seed, round_id, len(client_indices), clients_per_round)
         losses = []
         for client_id in sampled:
-            update, _ = run_client(ctx, start, client_id, client_indices[client_id], plan)
+            if method in FIRST_ORDER_METHODS:
+                update, _ = run_first_order_client(ctx, start, client_id, client_indices[client_id], plan,
+                                                   first_order_optimizer)
+            else:
+                update, _ = run_client(ctx, start, client_id, client_indices[client_id], plan)
             losses.append(update.metrics["train_loss"])
             data = encode(update)
             if tamper is not None:
