@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test lint bench-zo-step bench-centralized clean-cache
+.PHONY: setup demo test lint bench-zo-step bench-centralized bench-scale
 
 setup:
 	@bash scripts/setup_env.sh
@@ -22,3 +22,6 @@ bench-zo-step: setup
 
 bench-centralized: setup
 	$(PY) benchmarks/centralized_sst2.py
+
+bench-scale: setup
+	$(PY) benchmarks/scale.py
