@@ -125,3 +125,15 @@ def test_cli_finetune_and_eval(tiny_workspace, tmp_path):
     assert bad.exit_code == 2 and "train.stepz" in bad.output
     missing = runner.invoke(app, ["finetune", "--set", f"data.source={tmp_path / 'nope.csv'}"])
     assert missing.exit_code == 2 and "nope.csv" in missing.output
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "sst2_centralized.yaml", "federated_tweets.yaml"])
+def test_shipped_configs_validate(name):
+    from pathlib import Path
+
+    from zofed.run.config import FederatedConfig
+
+    path = Path(__file__).resolve().parents[1] / "configs" / name
+    schema = FederatedConfig if name.startswith("federated") else None
+    cfg = load_config(path, schema=schema) if schema else load_config(path)
+    assert len(cfg.task.verbalizer) >= 2 and cfg.train.batch_size >= 1
