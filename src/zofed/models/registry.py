@@ -13,9 +13,7 @@ Every model comes back in fp32, in eval mode, on the CPU, with a tokenizer that 
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,13 +25,6 @@ import torch
 # which the CLI and config validation (builtin_model_names, cache_dir) should not pay.
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-try:  # POSIX only; without it concurrent first builds just duplicate work, the rename stays atomic
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None  # type: ignore[assignment]
-
-logger = logging.getLogger(__name__)
 
 CAUSAL_LM = "causal-lm"
 ENCODER = "encoder"
