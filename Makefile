@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test lint bench-zo-step bench-centralized bench-scale
+.PHONY: setup demo test lint bench-zo-step bench-centralized bench-scale bench-federated
 
 setup:
 	@bash scripts/setup_env.sh
@@ -25,3 +25,6 @@ bench-centralized: setup
 
 bench-scale: setup
 	$(PY) benchmarks/scale.py
+
+bench-federated: setup
+	$(PY) benchmarks/federated.py

@@ -1,0 +1,133 @@
+"""Benchmark: every federated method on the same data, model, split and forward-pass budget.
+
+The headline matrix: methods x datasets (SST-2, AG News from ../shared/data; AG News gets a seeded
+6,000/1,600 train/test split of its 7,600-example file) x Dirichlet alpha (0.1, 1.0) x seeds, on SmolLM2 with
+its RMSNorm gains perturbed and a prompt. Every ZO method gets the same rounds x clients per round x local
+steps, so the same number of forward passes; first-order baselines take the same number of local steps.
+Each finished run appends one row to docs/results/federated.json; rows already there are skipped, so the
+matrix can be completed over several sittings, and an interrupted run resumes from its checkpoint.
+
+Run: `make bench-federated` (all rows), or pick rows: `--methods zo-seeds decomfl --datasets sst2
+--alphas 0.1 --seeds 0`. Skipped with a message when ../shared/data is absent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from zofed.data.builtin import shared_data_dir
+from zofed.run.checkpoint import find_checkpoint, write_atomic_text
+from zofed.run.config import FederatedConfig, load_config
+from zofed.run.federated import run_federated
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+METHODS = ["zo-seeds", "decomfl", "fedkseed", "fedmezo", "fedavg", "fedadam"]
+TASKS = {
+    "sst2": ["task.template='Review: {text}\nSentiment:'", "task.verbalizer=[' negative', ' positive']"],
+    "agnews": ["task.template='Article: {text}\nTopic:'",
+               "task.verbalizer=[' World', ' Sports', ' Business', ' Technology']"],
+}
+BUDGET = ["federation.rounds=10", "federation.clients_per_round=4", "federation.local_steps=5",
+          "federation.partition.num_clients=10", "train.batch_size=16", "data.eval_examples=200",
+          "federation.eval_every=2", "task.max_length=96"]
+METHOD_SETTINGS = {
+    "zo-seeds": [], "decomfl": [], "fedkseed": ["federation.pool_size=64"], "fedmezo": [],
+    "fedavg": ["federation.server_optimizer.name=sgd"],
+    "fedadam": ["federation.server_optimizer.name=adam", "federation.server_optimizer.lr=1e-3"],
+}
+COMMON = ["model.name=smollm2-135m", "trainable.mode=patterns", "trainable.patterns=['norm\\.weight$']",
+          "optimizer.name=mezo", "optimizer.lr=1e-4", "zo.eps=1e-3", "federation.first_order_lr=1e-3"]
+
+
+def row_key(method: str, dataset: str, alpha: float, seed: int, model: str) -> str:
+    return f"{method}|{dataset}|{alpha}|{seed}|{model}"
+
+
+def run_row(method: str, dataset: str, alpha: float, seed: int) -> dict:
+    name = f"{method}-{dataset}-a{alpha}-s{seed}"
+    out = ROOT / "runs" / "bench" / "federated" / name
+    config = load_config(None, [*COMMON, *TASKS[dataset], *BUDGET, *METHOD_SETTINGS[method],
+                                f"data.source=shared:{dataset}", f"federation.method={method}",
+                                f"federation.partition.alpha={alpha}", f"federation.partition.seed={seed}",
+                                f"train.seed={seed}", f"out_dir={out}"], schema=FederatedConfig)
+    results = run_federated(config, resume=find_checkpoint(out / "checkpoint") is not None,
+                            show_progress=sys.stderr.isatty())
+    fed = config.federation
+    return {"method": method, "dataset": dataset, "alpha": alpha, "model": config.model.name, "seed": seed,
+            "final_accuracy": round(results["test"]["accuracy"], 4),
+            "client_accuracy_mean": round(results["client_accuracy_mean"], 4),
+            "client_accuracy_worst10": round(results["client_accuracy_worst10"], 4),
+            "bytes_up_per_client_round": results["bytes_up_per_client_round"],
+            "bytes_down_per_client_round": results["bytes_down_per_client_round"],
+            "rounds": fed.rounds, "clients": fed.partition.num_clients, "clients_per_round": fed.clients_per_round,
+            "local_steps": fed.local_steps, "forward_passes": results["forward_passes"],
+            "peak_rss_mib": _peak(out),
+            "wall_seconds": round(results["seconds_this_sitting"], 1), "run_dir": str(out.relative_to(ROOT))}
+
+
+def _peak(out: Path) -> float:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return max(r.get("peak_rss_mib", 0.0) for r in rows)
+
+
+def write_table(rows: list[dict]) -> None:
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["dataset"], r["alpha"], r["model"], r["method"]), []).append(r)
+    lines = ["# Federated methods on one budget", "",
+             "SmolLM2-135M, RMSNorm gains perturbed (ZO) or trained (first-order), prompt classification; 10 clients "
+             "(Dirichlet label skew), 4 per round, 5 local steps, 10 rounds. Reproduce: `make bench-federated`.", "",
+             "| dataset | alpha | model | method | seeds | final accuracy (mean ± std) | client mean "
+             "| client worst 10% | bytes up / client / round | bytes down / client / round | forward passes "
+             "| peak RSS (MiB) |",
+             "|" + "---|" * 12]
+    for (dataset, alpha, model, method), rs in sorted(groups.items()):
+        acc = np.array([r["final_accuracy"] for r in rs])
+        lines.append(f"| {dataset} | {alpha} | {model} | {method} | {len(rs)} | {acc.mean():.4f} ± {acc.std():.4f} "
+                     f"| {np.mean([r['client_accuracy_mean'] for r in rs]):.4f} "
+                     f"| {np.mean([r['client_accuracy_worst10'] for r in rs]):.4f} "
+                     f"| {rs[0]['bytes_up_per_client_round']:,.0f} | {rs[0]['bytes_down_per_client_round']:,.0f} "
+                     f"| {rs[0]['forward_passes']:,} | {max(r['peak_rss_mib'] for r in rs):.0f} |")
+    write_atomic_text(RESULTS / "federated.md", "\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", nargs="*", default=METHODS)
+    parser.add_argument("--datasets", nargs="*", default=list(TASKS))
+    parser.add_argument("--alphas", type=float, nargs="*", default=[0.1, 1.0])
+    parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1])
+    args = parser.parse_args()
+    if shared_data_dir() is None:
+        print("skipped: ../shared/data not found (set ZOFED_SHARED_DATA to a folder holding sst2/ and agnews/)")
+        return
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / "federated.json"
+    table = json.loads(path.read_text()) if path.is_file() else {"meta": {}, "rows": {}}
+    table["meta"] = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
+                     "settings": [*COMMON, *BUDGET]}
+    for dataset in args.datasets:
+        for alpha in args.alphas:
+            for seed in args.seeds:
+                for method in args.methods:
+                    key = row_key(method, dataset, alpha, seed, "smollm2-135m")
+                    if key in table["rows"]:
+                        continue
+                    row = run_row(method, dataset, alpha, seed)
+                    table["rows"][key] = row
+                    write_atomic_text(path, json.dumps(table, indent=2))
+                    write_table(list(table["rows"].values()))
+                    print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
