@@ -139,6 +139,10 @@ def peak_rss(row: dict, batch_size: int, seq_len: int, mode: str, processes: int
     return min(peaks)
 
 
+def _bold(value) -> str:
+    return "-" if value is None else f"**{value}**"
+
+
 def write_results(rows: list[dict], meta: dict) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "zo_step.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
@@ -151,8 +155,8 @@ def write_results(rows: list[dict], meta: dict) -> None:
     for r in rows:
         lines.append(f"| {r['model']} | {r['trainable']} | {r['noise']} | {r['impl']} | {r['batch']}x{r['seq_len']} "
                      f"| {r['trainable_parameters']:,} | {r['two_forwards_s']} | {r['step_s']} "
-                     f"| **{r['step_over_two_forwards']}** | {r.get('inference_peak_mib', '')} "
-                     f"| {r.get('zo_peak_mib', '')} | **{r.get('client_rss_over_inference', '')}** |")
+                     f"| **{r['step_over_two_forwards']}** | {r.get('inference_peak_mib', '-')} "
+                     f"| {r.get('zo_peak_mib', '-')} | {_bold(r.get('client_rss_over_inference'))} |")
     (RESULTS / "zo_step.md").write_text("\n".join(lines) + "\n")
 
 
