@@ -45,7 +45,7 @@ def run_first_order_client(ctx: ClientContext, global_tensors: Sequence[torch.Te
             loss = ctx.task.loss_tensor(ctx.model, batch)
             loss.backward()
             optimizer.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
     finally:  # the shared replica goes back to forward-only for the ZO clients and evaluation
         for p in params:
             p.requires_grad_(False)

@@ -58,7 +58,7 @@ def _figure(runs: list[RunSummary], out: Path) -> None:
     by_round.set(xlabel="round", ylabel="test accuracy (fixed subset)", title="accuracy against rounds")
     by_bytes.set(xscale="log", xlabel="cumulative uplink bytes per client", title="accuracy against bytes sent")
     spreads = [run.results.get("client_accuracies") or [np.nan] for run in runs]
-    spread.boxplot(spreads, tick_labels=[run.name for run in runs], vert=True)
+    spread.boxplot(spreads, tick_labels=[run.name for run in runs])
     spread.set(ylabel="accuracy on each client's own test split", title="per-client accuracy (final model)")
     spread.tick_params(axis="x", labelrotation=20)
     by_round.legend(fontsize="small")
