@@ -48,6 +48,7 @@ def load_run_summary(run_dir: Path) -> RunSummary:
 
 def _figure(runs: list[RunSummary], out: Path) -> None:
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator, NullFormatter
 
     fig = Figure(figsize=(15, 4.2))
     by_round, by_bytes, spread = fig.subplots(1, 3)
@@ -57,6 +58,8 @@ def _figure(runs: list[RunSummary], out: Path) -> None:
         by_bytes.plot(run.cumulative_up, run.accuracy, marker="o", ms=3, label=label)
     by_round.set(xlabel="round", ylabel="test accuracy (fixed subset)", title="accuracy against rounds")
     by_bytes.set(xscale="log", xlabel="cumulative uplink bytes per client", title="accuracy against bytes sent")
+    by_bytes.xaxis.set_minor_formatter(NullFormatter())  # minor labels on a log axis overlap
+    by_round.xaxis.set_major_locator(MaxNLocator(integer=True))
     spreads = [run.results.get("client_accuracies") or [np.nan] for run in runs]
     spread.boxplot(spreads, tick_labels=[run.name for run in runs])
     spread.set(ylabel="accuracy on each client's own test split", title="per-client accuracy (final model)")
