@@ -90,16 +90,9 @@ def run(
         results = run_federated(cfg, resume=resume, console=console)
     except _user_errors() as err:
         _fail(str(err))
-    table = Table(title="federated results")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for key, value in results["test"].items():
-        table.add_row(f"test {key}", f"{value:.4f}")
-    for key in ("client_accuracy_mean", "client_accuracy_worst10", "bytes_up_per_client_round",
-                "bytes_down_per_client_round", "forward_passes", "rejected_uplinks"):
-        value = results[key]
-        table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
-    console.print(table)
+    console.print(_results_table("federated results", results, (
+        "client_accuracy_mean", "client_accuracy_worst10", "bytes_up_per_client_round",
+        "bytes_down_per_client_round", "forward_passes", "rejected_uplinks")))
     console.print(f"run directory: {cfg.out_dir} (metrics.jsonl/.csv, partition.png, results.json)")
 
 
@@ -119,16 +112,23 @@ def report(
     console.print(f"wrote {png} and {md}")
 
 
-def _print_results(results: dict, out: Path) -> None:
-    table = Table(title="results")
+def _results_table(title: str, results: dict, keys: tuple[str, ...]) -> Table:
+    """Test metrics first, then the named result fields that are present."""
+    table = Table(title=title)
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in results["test"].items():
         table.add_row(f"test {key}", f"{value:.4f}")
-    for key in ("test_examples", "trainable_parameters", "steps", "forward_passes", "train_seconds"):
-        if key in results:
+    for key in keys:
+        if results.get(key) is not None:
             value = results[key]
-            table.add_row(key, f"{value:.1f}" if isinstance(value, float) else str(value))
+            table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    return table
+
+
+def _print_results(results: dict, out: Path) -> None:
+    table = _results_table("results", results, ("test_examples", "trainable_parameters", "steps",
+                                                 "forward_passes", "train_seconds"))
     curve = results.get("eval_curve") or {}
     if curve:
         first, last = curve["first"], curve["last"]

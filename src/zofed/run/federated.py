@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from zofed.data.partition import ClientSplit, client_splits, format_summary, plot_partition, summarize
-from zofed.fl.client import ClientContext, load_tensors_
+from zofed.fl.client import ClientContext
 from zofed.fl.first_order import FIRST_ORDER_METHODS, SERVER_OPTIMIZER_OF
 from zofed.fl.server import ServerOptimizer
 from zofed.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, write_atomic_text
@@ -99,9 +99,10 @@ def run_federated(config: FederatedConfig, *, resume: bool = False, show_progres
         return {f"eval_{k}": v for k, v in result.items()}
 
     def checkpoint(round_done: int, tensors, state: OptState) -> None:
-        load_tensors_(setup.trainable.tensors(), tensors)
-        save_checkpoint(out / "checkpoint", {"trainable": setup.trainable.state_dict(),
-                                             "server": state.to_tensors()}, {"round": round_done})
+        trainable = {name: t.view_as(p) for name, t, p in zip(setup.trainable.names, tensors, setup.trainable.params,
+                                                               strict=True)}
+        save_checkpoint(out / "checkpoint", {"trainable": trainable, "server": state.to_tensors()},
+                        {"round": round_done})
 
     columns = [TextColumn("[bold]federated rounds"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                TextColumn("{task.fields[status]}")]

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from safetensors.torch import load_file, save_file
 
 from zofed.data.builtin import BUILTIN_DATASETS, load_builtin, load_shared
-from zofed.data.sources import DataError, TextDataset, load_dataset_spec
+from zofed.data.sources import TextDataset, load_dataset_spec
 from zofed.data.tasks import Encoded, Task, make_task
 from zofed.models.registry import load_model
 from zofed.models.selection import TrainableParams, select_trainable
@@ -196,5 +196,3 @@ def load_run(run_dir: str | Path) -> Setup:
         raise ConfigError(f"{run_dir} holds no trained weights (final/ or checkpoint/)")
     return setup
 
-
-__all__ = ["DataError", "Setup", "build", "finetune", "load_run", "load_splits"]
