@@ -1,0 +1,138 @@
+"""Personalized block sampling: each client perturbs one block per step, drawn from its own distribution.
+
+A block is one trainable tensor. At step t a client draws block b with probability pi_b and perturbs it with
+Rademacher noise scaled by 1/sqrt(pi_b) (every other block is left alone):
+
+    z = u_b / sqrt(pi_b),   g = (L(x + eps z) - L(x - eps z)) / (2 eps),   x <- x - lr g z
+
+Then E[z z^T] = I whatever pi is, so the step has MeZO's expected update, while its variance,
+sum_b |grad_b|^2 n_b / pi_b, is smallest for pi_b proportional to sqrt(n_b) |grad_b| (Cauchy-Schwarz).
+Clients with different data have different gradients, so each gets its own pi. The squared scalar of a
+step estimates its block's gradient energy without bias, pi_b g^2 ~ |grad_b|^2, so the estimates come for
+free from the scalars already uploaded.
+
+The server keeps those sums per client and for the whole federation (the global estimate is every client's
+prior) and sends each client its pi with the round's downlink: clients hold no state between rounds, the
+uplink stays one scalar per step, and the server knows every client's distribution exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from zofed.zo.noise import derive_seed
+from zofed.zo.perturb import Perturbation
+
+_DRAW_SLOT = 2**41  # derive_seed slot for the block draw, apart from the noise's own use of the step seed
+
+
+@dataclass(frozen=True)
+class BlockSampling:
+    """Settings of the personalized distribution.
+
+    mix: share of the size-proportional distribution kept in pi (bounds every importance weight 1/pi_b);
+    prior_weight: how many probes the prior is worth when a client's own estimate of a block is shrunk to it.
+    """
+
+    mix: float = 0.3
+    prior_weight: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.mix <= 1:
+            raise ValueError(f"block sampling mix must be in (0, 1], got {self.mix}")
+        if self.prior_weight <= 0:
+            raise ValueError(f"block sampling prior_weight must be positive, got {self.prior_weight}")
+
+
+def block_sizes(tensors: Sequence[torch.Tensor], masks: Sequence[torch.Tensor | None] | None = None) -> np.ndarray:
+    """Coordinates each block can move (a mask leaves only its True entries)."""
+    sizes = [int(m.sum()) if masks is not None and m is not None else t.numel()
+             for t, m in zip(tensors, masks if masks is not None else [None] * len(tensors), strict=True)]
+    return np.asarray(sizes, dtype=np.float64)
+
+
+@dataclass
+class BlockStats:
+    """Sums of probed block energies (pi_b g^2) and probe counts: per client and for the federation."""
+
+    client_sums: np.ndarray  # float64 (clients, blocks)
+    client_counts: np.ndarray  # float64 (clients, blocks)
+    global_sums: np.ndarray  # float64 (blocks,)
+    global_counts: np.ndarray  # float64 (blocks,)
+
+    @classmethod
+    def zeros(cls, num_clients: int, num_blocks: int) -> BlockStats:
+        return cls(np.zeros((num_clients, num_blocks)), np.zeros((num_clients, num_blocks)),
+                   np.zeros(num_blocks), np.zeros(num_blocks))
+
+    def record(self, client_id: int, blocks: Sequence[int], energies: Sequence[float]) -> None:
+        for b, e in zip(blocks, energies, strict=True):
+            self.client_sums[client_id, b] += e
+            self.client_counts[client_id, b] += 1
+            self.global_sums[b] += e
+            self.global_counts[b] += 1
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        return {k: torch.from_numpy(getattr(self, k).copy()) for k in
+                ("client_sums", "client_counts", "global_sums", "global_counts")}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> BlockStats:
+        return cls(*(tensors[k].numpy().astype(np.float64) for k in
+                     ("client_sums", "client_counts", "global_sums", "global_counts")))
+
+
+def global_energy(stats: BlockStats, sizes: np.ndarray, settings: BlockSampling) -> np.ndarray:
+    """The federation's estimate of |grad_b|^2: probes shrunk towards a uniform gradient density."""
+    probed = stats.global_counts > 0
+    density = (stats.global_sums[probed] / stats.global_counts[probed]).sum() / sizes[probed].sum() \
+        if probed.any() else 1.0
+    w = settings.prior_weight
+    return (w * density * sizes + stats.global_sums) / (w + stats.global_counts)
+
+
+def client_distribution(stats: BlockStats, client_id: int, sizes: np.ndarray,
+                        settings: BlockSampling) -> np.ndarray:
+    """pi for one client: its own energies shrunk to the global ones, then the variance-optimal shape
+    sqrt(n_b E_b), mixed with the size-proportional distribution. float32, as it travels on the wire."""
+    w = settings.prior_weight
+    energy = (w * global_energy(stats, sizes, settings) + stats.client_sums[client_id]) \
+        / (w + stats.client_counts[client_id])
+    shape = np.sqrt(sizes * np.maximum(energy, 0.0))
+    if not np.isfinite(shape).all() or shape.sum() <= 0:
+        shape = sizes.copy()
+    pi = (1 - settings.mix) * shape / shape.sum() + settings.mix * sizes / sizes.sum()
+    return (pi / pi.sum()).astype(np.float32)
+
+
+def check_distribution(pi: np.ndarray, num_blocks: int) -> None:
+    """A received pi must be a probability vector over exactly the model's blocks."""
+    if pi.shape != (num_blocks,):
+        raise ValueError(f"block distribution has {pi.size} entries, the model {num_blocks} blocks")
+    if not np.isfinite(pi).all() or (pi < 0).any() or abs(float(pi.sum(dtype=np.float64)) - 1.0) > 1e-4:
+        raise ValueError("block distribution must be finite, non-negative and sum to 1")
+
+
+def draw_block(step_seed: int, pi: np.ndarray) -> int:
+    """The block a step perturbs: a deterministic function of (step seed, pi) that client and server share."""
+    u = np.random.default_rng(derive_seed(step_seed, _DRAW_SLOT)).random()
+    cdf = np.cumsum(pi.astype(np.float64))
+    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(pi) - 1))
+
+
+def step_perturbation(step_seed: int, pi: np.ndarray, kind: str = "rademacher",
+                      masks: Sequence[torch.Tensor | None] | None = None) -> tuple[Perturbation, int]:
+    """The perturbation of one step (one block, scaled by 1/sqrt(pi_b)) and the block it chose."""
+    b = draw_block(step_seed, pi)
+    scales = [0.0] * len(pi)
+    scales[b] = float(1.0 / np.sqrt(np.float64(pi[b])))
+    return Perturbation(kind=kind, scales=scales, masks=masks), b
+
+
+def probe_energy(grad: float, pi: np.ndarray, block: int) -> float:
+    """pi_b g^2: an unbiased estimate of the block's gradient energy |grad_b|^2."""
+    return float(pi[block]) * float(grad) ** 2

@@ -1,0 +1,142 @@
+"""The server and client roles every backend drives: bytes in, bytes out.
+
+A round, whatever carries the messages (the in-process engine, Flower):
+
+    server.plan(r) -> plan;  server.sample(r) -> client ids
+    for each client c:  server.downlink(plan, c) -> bytes  ->  client.train(bytes, c, its examples) -> bytes
+                        server.receive(inbox, plan, c, bytes)      (rejects a bad uplink with a reason)
+    server.aggregate(plan, inbox) -> round record                  (rebuild, mean, server optimizer, stats)
+
+The server's whole state (global tensors, optimizer state, block statistics) is explicit and saved with
+`state_tensors()`, so a run restored from it continues bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from zofed.fl.client import ClientContext, LocalTraining, load_tensors_, run_client
+from zofed.fl.first_order import FIRST_ORDER_METHODS, run_first_order_client
+from zofed.fl.methods import personalized
+from zofed.fl.personal import BlockSampling, BlockStats, block_sizes, check_distribution, client_distribution
+from zofed.fl.protocol import ServerBroadcast, decode, encode
+from zofed.fl.server import RoundInbox, block_probes, broadcast, mean_update, receive, unflatten
+from zofed.fl.server_opt import ServerOptimizer
+from zofed.zo.optim import OptState
+from zofed.zo.perturb import Perturbation
+
+
+@dataclass(frozen=True)
+class FederationPlan:
+    """What stays fixed for a whole run: the method and how each round is asked of the clients."""
+
+    method: str
+    num_clients: int
+    clients_per_round: int
+    local_steps: int
+    lr: float
+    eps: float
+    run_seed: int = 0
+    queries: int = 1
+    batch_size: int = 16
+    noise: str = "rademacher"
+    pool_size: int = 0
+
+    def round(self, round_id: int) -> LocalTraining:
+        return LocalTraining(self.method, self.run_seed, round_id, self.local_steps, self.lr, self.eps,
+                             self.queries, self.batch_size, self.noise, self.pool_size)
+
+
+def sample_clients(run_seed: int, round_id: int, num_clients: int, per_round: int) -> list[int]:
+    rng = np.random.default_rng([run_seed, round_id, 11])
+    return sorted(int(c) for c in rng.choice(num_clients, size=min(per_round, num_clients), replace=False))
+
+
+class ServerRole:
+    def __init__(self, plan: FederationPlan, tensors: Sequence[torch.Tensor],
+                 masks: Sequence[torch.Tensor | None] | None = None, optimizer: ServerOptimizer | None = None,
+                 sampling: BlockSampling | None = None) -> None:
+        self.plan = plan
+        self.tensors = [t.detach().clone() for t in tensors]
+        self.masks = masks
+        self.optimizer = optimizer or ServerOptimizer()
+        self.opt_state = self.optimizer.init(self.tensors)
+        self.sampling = sampling or BlockSampling()
+        self.sizes = block_sizes(self.tensors, masks)
+        self.stats = BlockStats.zeros(plan.num_clients, len(self.tensors))
+        self.num_trainable = sum(t.numel() for t in self.tensors)
+        self._sent_pi: dict[int, np.ndarray] = {}
+
+    def round_plan(self, round_id: int) -> LocalTraining:
+        return self.plan.round(round_id)
+
+    def sample(self, round_id: int) -> list[int]:
+        return sample_clients(self.plan.run_seed, round_id, self.plan.num_clients, self.plan.clients_per_round)
+
+    def downlink(self, plan: LocalTraining, client_id: int) -> bytes:
+        """The encoded message that starts `client_id`'s round: weights, the plan, its block distribution."""
+        pi = None
+        if personalized(plan.method):
+            pi = client_distribution(self.stats, client_id, self.sizes, self.sampling)
+            self._sent_pi[client_id] = pi
+        return encode(broadcast(plan.round_id, self.tensors, plan.to_config(), pi))
+
+    def receive(self, inbox: RoundInbox, plan: LocalTraining, client_id: int, data: bytes) -> None:
+        receive(inbox, data, plan.round_id, client_id, plan, self.num_trainable)
+
+    def aggregate(self, plan: LocalTraining, inbox: RoundInbox) -> None:
+        """Rebuild and average the accepted updates, apply the server optimizer, record the block probes."""
+        if not inbox.accepted:
+            return
+        perturbation = Perturbation(kind=plan.noise, masks=self.masks)
+        pis = {u.client_id: self._sent_pi[u.client_id] for u in inbox.accepted if u.client_id in self._sent_pi}
+        delta = mean_update(self.tensors, inbox.accepted, plan, perturbation, pis)
+        self.opt_state = self.optimizer.apply(self.tensors, self.opt_state, delta)
+        if personalized(plan.method):
+            for update in inbox.accepted:
+                self.stats.record(update.client_id, *block_probes(update, plan, pis[update.client_id]))
+        self._sent_pi.clear()
+
+    def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The server's state besides the global tensors, as checkpoint files of named tensors."""
+        return {"server_optimizer": self.opt_state.to_tensors(), "server_blocks": self.stats.to_tensors()}
+
+    def load_state(self, tensors: Sequence[torch.Tensor], state: dict[str, dict[str, torch.Tensor]]) -> None:
+        self.tensors = [t.detach().clone() for t in tensors]
+        self.opt_state = OptState.from_tensors(state["server_optimizer"])
+        self.stats = BlockStats.from_tensors(state["server_blocks"])
+
+
+class ClientRole:
+    """Turns a downlink into an uplink: load the weights, train on this client's examples, report."""
+
+    def __init__(self, ctx: ClientContext, first_order_optimizer: str = "adamw") -> None:
+        self.ctx = ctx
+        self.first_order_optimizer = first_order_optimizer
+
+    def train(self, downlink: bytes, client_id: int, indices: np.ndarray, round_id: int | None = None) -> bytes:
+        message = decode(downlink, expect_round=round_id, max_bytes=len(downlink))
+        if not isinstance(message, ServerBroadcast) or message.weights is None:
+            raise ValueError("a client round starts from a weights downlink")
+        plan = LocalTraining.from_config(message.config)
+        like = self.ctx.trainable.tensors()
+        if message.weights.size != sum(t.numel() for t in like):
+            raise ValueError(f"downlink carries {message.weights.size} weights, this model has "
+                             f"{sum(t.numel() for t in like)} trainable values")
+        start = unflatten(message.weights, like)
+        if plan.method in FIRST_ORDER_METHODS:
+            update, _ = run_first_order_client(self.ctx, start, client_id, indices, plan, self.first_order_optimizer)
+        else:
+            pi = None
+            if personalized(plan.method):
+                pi = message.server_state
+                check_distribution(pi, len(start))
+            update, _ = run_client(self.ctx, start, client_id, indices, plan, pi)
+        return encode(update)
+
+    def load_global(self, tensors: Sequence[torch.Tensor]) -> None:
+        load_tensors_(self.ctx.trainable.tensors(), tensors)

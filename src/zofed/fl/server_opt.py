@@ -1,0 +1,89 @@
+"""Server optimizers: the round's mean client update is a pseudo-gradient, applied with global momentum.
+
+    m <- beta1 m + (1 - beta1) d                       (d: the mean update, a descent direction)
+    adam:    v <- beta2 v + (1 - beta2) d^2
+    yogi:    v <- v - (1 - beta2) d^2 sign(v - d^2)     (v grows no faster than d^2 asks)
+    amsgrad: v <- beta2 v + (1 - beta2) d^2, vhat <- max(vhat, v), and vhat divides
+    x <- x + lr m / (sqrt(v) + tau)
+
+`granularity="coordinate"` keeps v per coordinate (FedAdam, FedYogi, FedAMSGrad). `"block"` keeps one v per
+trainable tensor, the mean of d^2 over it: the step keeps the direction inside a block and only sets each
+block's step size, which suits ZO pseudo-gradients (noise spread evenly over a block, which per-coordinate
+division would turn into sign noise), and the state to send to clients is one number per block.
+`sgd` is x <- x + lr d (lr 1 is plain averaging of the updates).
+
+Downlink modes: every optimizer can send new weights; only `sgd` can send an update log (seeds and
+coefficients a client replays), because only its step is a linear combination of the clients' directions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from zofed.zo.optim import OptState
+
+SERVER_OPTIMIZERS = ("sgd", "adam", "yogi", "amsgrad")
+GRANULARITIES = ("coordinate", "block")
+
+
+@dataclass(frozen=True)
+class ServerOptimizer:
+    name: str = "sgd"
+    lr: float = 1.0
+    beta1: float = 0.9
+    beta2: float = 0.99
+    tau: float = 1e-6
+    granularity: str = "coordinate"
+
+    def __post_init__(self) -> None:
+        if self.name not in SERVER_OPTIMIZERS:
+            raise ValueError(f"unknown server optimizer {self.name!r}; choose one of {', '.join(SERVER_OPTIMIZERS)}")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"unknown server optimizer granularity {self.granularity!r}; choose coordinate or block")
+
+    @property
+    def downlink_modes(self) -> tuple[str, ...]:
+        return ("weights", "log") if self.name == "sgd" else ("weights",)
+
+    def init(self, tensors: Sequence[torch.Tensor]) -> OptState:
+        if self.name == "sgd":
+            return OptState()
+        second = [torch.zeros_like(t) if self.granularity == "coordinate" else torch.zeros(1, dtype=t.dtype)
+                  for t in tensors]
+        buffers = {"m": [torch.zeros_like(t) for t in tensors], "v": second}
+        if self.name == "amsgrad":
+            buffers["vhat"] = [v.clone() for v in second]
+        return OptState(buffers=buffers)
+
+    @torch.no_grad()
+    def apply(self, tensors: Sequence[torch.Tensor], state: OptState, delta: Sequence[torch.Tensor]) -> OptState:
+        """Move `tensors` in place by the pseudo-gradient `delta`; returns the next state."""
+        if self.name == "sgd":
+            for t, d in zip(tensors, delta, strict=True):
+                t.add_(d, alpha=self.lr)
+            return replace(state, step=state.step + 1)
+        b = state.buffers
+        for i, (t, d) in enumerate(zip(tensors, delta, strict=True)):
+            m, v = b["m"][i], b["v"][i]
+            m.mul_(self.beta1).add_(d, alpha=1 - self.beta1)
+            d2 = d * d if self.granularity == "coordinate" else (d * d).mean().reshape(1)
+            if self.name == "yogi":
+                v.sub_(d2 * torch.sign(v - d2), alpha=1 - self.beta2)
+            else:
+                v.mul_(self.beta2).add_(d2, alpha=1 - self.beta2)
+            denom = v
+            if self.name == "amsgrad":
+                denom = torch.maximum(b["vhat"][i], v, out=b["vhat"][i])
+            t.addcdiv_(m, denom.sqrt().add(self.tau), value=self.lr)
+        return replace(state, step=state.step + 1)
+
+    def block_state(self, state: OptState) -> np.ndarray:
+        """The per-block second moments (block granularity): small enough to send to every client."""
+        if self.name == "sgd" or self.granularity != "block":
+            return np.zeros(0, np.float32)
+        key = "vhat" if self.name == "amsgrad" else "v"
+        return torch.cat(state.buffers[key]).numpy().astype(np.float32)

@@ -1,0 +1,156 @@
+"""zofed's own method: personalized block sampling on clients, adaptive momentum on the server."""
+
+import numpy as np
+import pytest
+import torch
+
+from zofed.data.sources import TextDataset
+from zofed.data.tasks import TaskConfig, make_task
+from zofed.fl.client import ClientContext, LocalTraining, run_client
+from zofed.fl.personal import (
+    BlockSampling,
+    BlockStats,
+    block_sizes,
+    check_distribution,
+    client_distribution,
+    draw_block,
+    step_perturbation,
+)
+from zofed.fl.protocol import decode, message_nbytes
+from zofed.fl.roles import ClientRole, FederationPlan, ServerRole
+from zofed.fl.server import RoundInbox, rebuild_client_update
+from zofed.fl.server_opt import ServerOptimizer
+from zofed.models.selection import TrainableConfig, select_trainable
+from zofed.models.tiny import tiny_causal_lm
+from zofed.zo.perturb import Perturbation, add_directions_
+
+WORDS = ["good", "great", "bad", "awful"]
+
+
+def _context(vocab_size=64, num_layers=2, mode="all"):
+    tiny = tiny_causal_lm(vocab_size=vocab_size, num_layers=num_layers)
+    model, trainable = select_trainable(tiny.model, TrainableConfig(mode=mode, lora_r=2))
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 2, size=120)
+    texts = [f"the movie was {WORDS[2 * (1 - lab) + int(rng.integers(2))]} w{int(rng.integers(20))}" for lab in labels]
+    data = TextDataset([{"text": t} for t in texts], labels.tolist(), ["negative", "positive"], "toy")
+    task = make_task(TaskConfig(template="{text} sentiment :", verbalizer=["negative", "positive"]), tiny.tokenizer, 2)
+    return ClientContext(model, trainable, task, task.encode(data))
+
+
+def _clients(n=6, size=120):
+    return [np.arange(size)[k::n] for k in range(n)]
+
+
+def test_personalized_steps_are_unbiased_with_identity_covariance():
+    """E[z z^T] = I for z = u_b / sqrt(pi_b), b ~ pi: the mean of (w . z) z over many steps is w."""
+    pi = np.array([0.6, 0.3, 0.1], np.float32)
+    w = [torch.tensor([1.0, -2.0]), torch.tensor([0.5, 0.5, 3.0]), torch.tensor([-1.0])]
+    estimate = [torch.zeros_like(t) for t in w]
+    n = 6000
+    for seed in range(n):
+        pert, _ = step_perturbation(seed, pi)
+        z = [torch.zeros_like(t) for t in w]
+        add_directions_(z, [(seed, 1.0)], pert)
+        g = sum(float((a * b).sum()) for a, b in zip(w, z, strict=True))
+        for e, zi in zip(estimate, z, strict=True):
+            e.add_(zi, alpha=g / n)
+    flat_est, flat_w = torch.cat(estimate), torch.cat(w)
+    assert float((flat_est - flat_w).norm() / flat_w.norm()) < 0.1
+
+
+def test_blocks_are_drawn_with_their_probabilities_and_deterministically():
+    pi = np.array([0.7, 0.2, 0.1], np.float32)
+    draws = np.array([draw_block(s, pi) for s in range(5000)])
+    assert np.allclose(np.bincount(draws, minlength=3) / 5000, pi, atol=0.03)
+    assert [draw_block(s, pi) for s in range(50)] == [draw_block(s, pi) for s in range(50)]
+
+
+def test_distribution_follows_each_clients_own_block_energies():
+    sizes = np.array([100.0, 100.0, 100.0, 100.0])
+    settings = BlockSampling(mix=0.2, prior_weight=1.0)
+    stats = BlockStats.zeros(2, 4)
+    assert np.allclose(client_distribution(stats, 0, sizes, settings), 0.25)  # no probes yet: by size
+    for _ in range(20):
+        stats.record(0, [0, 1, 2, 3], [50.0, 1.0, 1.0, 1.0])  # client 0's gradient lives in block 0
+        stats.record(1, [0, 1, 2, 3], [1.0, 1.0, 1.0, 50.0])  # client 1's in block 3
+    pi0, pi1 = client_distribution(stats, 0, sizes, settings), client_distribution(stats, 1, sizes, settings)
+    assert pi0.argmax() == 0 and pi1.argmax() == 3 and pi0[0] > 0.4 and pi1[3] > 0.4
+    assert pi0.min() >= 0.2 / 4 - 1e-6  # the mixed-in share bounds every importance weight
+    check_distribution(pi0, 4)
+    for bad in (np.array([0.5, 0.5], np.float32), np.array([0.5, 0.6, -0.1, 0.0], np.float32),
+                np.array([np.nan, 0.5, 0.25, 0.25], np.float32)):
+        with pytest.raises(ValueError):
+            check_distribution(bad, 4)
+
+
+def test_server_rebuilds_a_personalized_clients_update_exactly_and_learns_its_blocks():
+    ctx = _context()
+    plan = FederationPlan("zofed", 6, 2, 4, lr=1e-2, eps=1e-2, run_seed=3, batch_size=8)
+    server = ServerRole(plan, ctx.trainable.tensors(), ctx.trainable.masks, ServerOptimizer("adam", 1e-2,
+                                                                                             granularity="block"))
+    round_plan = server.round_plan(0)
+    start = [t.clone() for t in server.tensors]
+    # Client 1's probes say its gradient lives in block 1: its distribution moves far from size-proportional.
+    others = [b for b in range(len(start)) if b != 1]
+    server.stats.record(1, [1, 1, *others], [500.0, 600.0, *[1e-3] * len(others)])
+    downlink = server.downlink(round_plan, 1)
+    pi = decode(downlink).server_state
+    assert pi[1] > 3 * server.sizes[1] / server.sizes.sum()
+    update, final = run_client(ctx, start, 1, _clients()[1], round_plan, pi)
+    rebuilt = torch.cat([r.reshape(-1) for r in rebuild_client_update(start, update, round_plan, Perturbation(), pi)])
+    actual = torch.cat([(f - s).reshape(-1) for f, s in zip(final, start, strict=True)])
+    assert actual.norm() > 0 and float((rebuilt - actual).norm() / actual.norm()) <= 1e-5
+    inbox = RoundInbox()
+    server.receive(inbox, round_plan, 1, ClientRole(ctx).train(downlink, 1, _clients()[1], 0))
+    server.aggregate(round_plan, inbox)
+    assert server.stats.client_counts[1].sum() == len(start) + 1 + 4
+    assert server.stats.global_counts.sum() == len(start) + 1 + 4
+
+
+def test_uplink_bytes_do_not_depend_on_the_model():
+    sizes, numels = [], []
+    for vocab, layers in ((64, 2), (4000, 6)):
+        ctx = _context(vocab_size=vocab, num_layers=layers)
+        start = [t.clone() for t in ctx.trainable.tensors()]
+        sizes_b = block_sizes(start)
+        pi = (sizes_b / sizes_b.sum()).astype(np.float32)
+        plan = LocalTraining("zofed", run_seed=1, round_id=0, local_steps=10, lr=1e-2, eps=1e-2, batch_size=8)
+        update, _ = run_client(ctx, start, 0, _clients()[0], plan, pi)
+        sizes.append(message_nbytes(update))
+        numels.append(sum(t.numel() for t in start))
+    assert numels[1] > 5 * numels[0]  # about 9 times the parameters, 3 times the blocks
+    assert sizes[0] == sizes[1] < 400
+
+
+@pytest.mark.parametrize("name", ["adam", "yogi", "amsgrad"])
+@pytest.mark.parametrize("granularity", ["coordinate", "block"])
+def test_server_optimizer_state_restores_to_a_bit_identical_continuation(name, granularity):
+    opt = ServerOptimizer(name, lr=0.1, granularity=granularity)
+    gen = torch.Generator().manual_seed(0)
+    deltas = [[torch.randn(5, generator=gen), torch.randn(3, 2, generator=gen)] for _ in range(4)]
+    a = [torch.zeros(5), torch.zeros(3, 2)]
+    state = opt.init(a)
+    for d in deltas[:2]:
+        state = opt.apply(a, state, d)
+    b = [t.clone() for t in a]
+    restored = type(state).from_tensors({k: v.clone() for k, v in state.to_tensors().items()})
+    for d in deltas[2:]:
+        state = opt.apply(a, state, d)
+        restored = opt.apply(b, restored, d)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert opt.block_state(state).size == (2 if granularity == "block" else 0)
+
+
+def test_block_granularity_keeps_the_direction_inside_a_block():
+    d = [torch.tensor([1.0, -3.0, 0.5]), torch.tensor([2.0, 2.0])]
+    for granularity, parallel in (("block", True), ("coordinate", False)):
+        t = [torch.zeros(3), torch.zeros(2)]
+        opt = ServerOptimizer("adam", lr=1.0, granularity=granularity)
+        opt.apply(t, opt.init(t), d)
+        cosine = float(torch.nn.functional.cosine_similarity(t[0], d[0], dim=0))
+        assert (abs(cosine - 1) < 1e-6) == parallel
+    assert ServerOptimizer("sgd").downlink_modes == ("weights", "log")
+    assert ServerOptimizer("yogi").downlink_modes == ("weights",)
+    with pytest.raises(ValueError, match="granularity"):
+        ServerOptimizer("adam", granularity="layer")
