@@ -7,9 +7,10 @@ import torch
 from zofed.data.sources import TextDataset
 from zofed.data.tasks import TaskConfig, make_task
 from zofed.fl.client import ClientContext, LocalTraining, run_client
-from zofed.fl.methods import METHODS, seed_plan
+from zofed.fl.methods import METHODS, personalized, seed_plan
 from zofed.fl.protocol import encode, message_nbytes
-from zofed.fl.server import ServerOptimizer, client_records, mean_update, rebuild_client_update
+from zofed.fl.server import client_records, mean_update, rebuild_client_update
+from zofed.fl.server_opt import ServerOptimizer
 from zofed.models.selection import TrainableConfig, select_trainable
 from zofed.models.tiny import tiny_causal_lm
 from zofed.sim.engine import simulate
@@ -38,14 +39,21 @@ def _plan(method, steps=3, round_id=0):
                          pool_size=4)
 
 
+def _skewed_pi(blocks):
+    """A personal block distribution far from uniform, as a client under label skew might get."""
+    w = np.linspace(1.0, 8.0, blocks)
+    return (w / w.sum()).astype(np.float32)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_server_rebuilds_each_clients_exact_local_update(method):
     ctx = _context()
     start = [t.clone() for t in ctx.trainable.tensors()]
     plan = _plan(method)
-    update, final = run_client(ctx, start, 2, _clients()[2], plan)
+    pi = _skewed_pi(len(start)) if personalized(method) else None
+    update, final = run_client(ctx, start, 2, _clients()[2], plan, pi)
     client_delta = torch.cat([(f - s).reshape(-1) for f, s in zip(final, start, strict=True)])
-    rebuilt = rebuild_client_update(start, update, plan, Perturbation())
+    rebuilt = rebuild_client_update(start, update, plan, Perturbation(), pi)
     server_delta = torch.cat([r.reshape(-1) for r in rebuilt])
     assert client_delta.norm() > 0
     assert float((server_delta - client_delta).norm() / client_delta.norm()) <= 1e-5

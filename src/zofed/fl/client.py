@@ -1,19 +1,21 @@
-"""The client role: local ZO steps on its own data from the global weights, reported as an uplink message.
+"""The client's local training: ZO steps on its own data from the global weights, reported as an uplink.
 
 The client perturbs from a clean copy of its trainable tensors (see `zo_step(clean=...)`), so the update it
-applies locally is bit-identical to what the server rebuilds from its seeds and scalars.
+applies locally is bit-identical to what the server rebuilds from its seeds and scalars. Under `zofed`'s
+personalized sampling each step perturbs one block drawn from the client's distribution `pi` (personal.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 import torch
 
 from zofed.data.tasks import Encoded, Task
-from zofed.fl.methods import seed_plan, uploads_dense
+from zofed.fl.methods import personalized, seed_plan, uploads_dense
+from zofed.fl.personal import step_perturbation
 from zofed.fl.protocol import ClientUpdate
 from zofed.models.selection import TrainableParams
 from zofed.zo.optim import MeZO
@@ -36,6 +38,21 @@ class LocalTraining:
     noise: str = "rademacher"
     pool_size: int = 0  # fedkseed
 
+    def to_config(self) -> dict[str, float | int | str]:
+        """The plan as the downlink's config entries."""
+        return asdict(self)
+
+    @classmethod
+    def from_config(cls, config: dict) -> LocalTraining:
+        missing = [f.name for f in fields(cls) if f.name not in config]
+        if missing:
+            raise ValueError(f"round config lacks {', '.join(missing)}")
+        casts = {"int": int, "float": float, "str": str}
+        try:
+            return cls(**{f.name: casts[f.type](config[f.name]) for f in fields(cls)})
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"round config has a value of the wrong type: {err}") from None
+
 
 @dataclass
 class ClientContext:
@@ -54,8 +71,9 @@ def load_tensors_(tensors: Sequence[torch.Tensor], values: Sequence[torch.Tensor
 
 
 def run_client(ctx: ClientContext, global_tensors: Sequence[torch.Tensor], client_id: int, indices: np.ndarray,
-               plan: LocalTraining) -> tuple[ClientUpdate, list[torch.Tensor]]:
-    """Train locally from `global_tensors`; returns the uplink and the client's final trainable tensors."""
+               plan: LocalTraining, block_pi: np.ndarray | None = None) -> tuple[ClientUpdate, list[torch.Tensor]]:
+    """Train locally from `global_tensors`; returns the uplink and the client's final trainable tensors.
+    `block_pi` is the client's block distribution (personalized methods only)."""
     if len(indices) == 0:
         raise ValueError(f"client {client_id} has no training examples")
     tensors = ctx.trainable.tensors()
@@ -64,9 +82,13 @@ def run_client(ctx: ClientContext, global_tensors: Sequence[torch.Tensor], clien
     seeds = seed_plan(plan.method, plan.run_seed, plan.round_id, client_id, plan.local_steps, plan.pool_size)
     optimizer = MeZO()
     state = optimizer.init(clean)
+    if personalized(plan.method) and block_pi is None:
+        raise ValueError(f"{plan.method} clients need their block distribution from the downlink")
     pert = Perturbation(kind=plan.noise, masks=ctx.trainable.masks)
     grads, losses = [], []
     for t, seed in enumerate(seeds.step_seeds):
+        if personalized(plan.method):
+            pert, _ = step_perturbation(seed, block_pi, plan.noise, ctx.trainable.masks)
         rng = np.random.default_rng([plan.run_seed, plan.round_id, client_id, t])
         batch = ctx.task.collate(ctx.train, rng.choice(indices, size=min(plan.batch_size, len(indices)),
                                                        replace=False))

@@ -9,6 +9,11 @@ how the server rebuilds the round's mean update.
 | decomfl  | shared by every client of the round     | base seed + one scalar a step | steps directions (merged)  |
 | fedkseed | drawn from a fixed pool of K seeds      | seeds + one scalar a step     | at most K directions       |
 | fedmezo  | private                                 | the dense update              | none (a weighted sum)      |
+| zofed    | private; one block a step, drawn from   | base seed + one scalar a step | clients x steps blocks     |
+|          | the client's own distribution           |                               |                            |
+
+`zofed` is the default method: personalized block sampling (personal.py) on the clients, adaptive
+momentum (server_opt.py) on the server.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import numpy as np
 
 from zofed.zo.noise import derive_seed
 
-METHODS = ("zo-seeds", "decomfl", "fedkseed", "fedmezo")
+METHODS = ("zofed", "zo-seeds", "decomfl", "fedkseed", "fedmezo")
 _SHARED = 2**32 - 1  # client-id slot used for seeds every client of a round shares
 
 
@@ -53,3 +58,8 @@ def kseed_pool(run_seed: int, pool_size: int) -> np.ndarray:
 
 def uploads_dense(method: str) -> bool:
     return method == "fedmezo"
+
+
+def personalized(method: str) -> bool:
+    """Clients draw each step's block from their own distribution (sent to them with the round)."""
+    return method == "zofed"

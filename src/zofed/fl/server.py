@@ -10,15 +10,17 @@ when clients share seeds (DeComFL) neither does the time.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from zofed.fl.client import LocalTraining
+from zofed.fl.methods import personalized
+from zofed.fl.personal import probe_energy, step_perturbation
 from zofed.fl.protocol import ClientUpdate, MessageError, ServerBroadcast, decode, step_seeds
-from zofed.zo.optim import MeZO, OptState
+from zofed.zo.optim import MeZO
 from zofed.zo.perturb import Perturbation, add_directions_
 from zofed.zo.step import StepRecord
 
@@ -64,22 +66,34 @@ def client_records(update: ClientUpdate) -> list[StepRecord]:
             for t in range(update.grads.shape[0])]
 
 
+def step_perturbations(update: ClientUpdate, plan: LocalTraining, perturbation: Perturbation,
+                       block_pi: np.ndarray | None = None) -> list[tuple[Perturbation, int | None]]:
+    """The perturbation each of the client's steps used, and the block it drew (personalized methods)."""
+    if not personalized(plan.method):
+        return [(perturbation, None)] * update.grads.shape[0]
+    if block_pi is None:
+        raise ValueError(f"rebuilding a {plan.method} update needs the client's block distribution")
+    return [step_perturbation(int(s), block_pi, perturbation.kind, perturbation.masks) for s in step_seeds(update)]
+
+
 def rebuild_client_update(global_tensors: Sequence[torch.Tensor], update: ClientUpdate, plan: LocalTraining,
-                          perturbation: Perturbation) -> list[torch.Tensor]:
+                          perturbation: Perturbation, block_pi: np.ndarray | None = None) -> list[torch.Tensor]:
     """One client's local update, replayed from its seeds and scalars (as the client computed it)."""
     if update.dense is not None:
         return unflatten(update.dense, global_tensors)
     tensors = [t.clone() for t in global_tensors]
     optimizer = MeZO()
     state = optimizer.init(tensors)
-    for record in client_records(update):
-        state = optimizer.apply(tensors, state, record.grad_terms(), [], plan.lr, perturbation)
+    steps = step_perturbations(update, plan, perturbation, block_pi)
+    for record, (pert, _) in zip(client_records(update), steps, strict=True):
+        state = optimizer.apply(tensors, state, record.grad_terms(), [], plan.lr, pert)
     return [t - g for t, g in zip(tensors, global_tensors, strict=True)]
 
 
 def mean_update(global_tensors: Sequence[torch.Tensor], updates: Sequence[ClientUpdate], plan: LocalTraining,
-                perturbation: Perturbation) -> list[torch.Tensor]:
-    """The example-weighted mean of the clients' local updates, streaming into one accumulator."""
+                perturbation: Perturbation, block_pis: Mapping[int, np.ndarray] | None = None) -> list[torch.Tensor]:
+    """The example-weighted mean of the clients' local updates, streaming into one accumulator.
+    `block_pis` maps client id to the block distribution it was sent (personalized methods)."""
     if not updates:
         raise ValueError("no accepted client update to aggregate")
     total = sum(u.num_examples for u in updates)
@@ -91,11 +105,25 @@ def mean_update(global_tensors: Sequence[torch.Tensor], updates: Sequence[Client
             for m, d in zip(mean, unflatten(update.dense, global_tensors), strict=True):
                 m.add_(d, alpha=weight)
             continue
+        if personalized(plan.method):  # one block a step, each with its own scale: added step by step
+            pi = (block_pis or {}).get(update.client_id)
+            steps = step_perturbations(update, plan, perturbation, pi)
+            for record, (pert, _) in zip(client_records(update), steps, strict=True):
+                add_directions_(mean, [(s, -plan.lr * g * weight) for s, g in record.grad_terms()], pert)
+            continue
         for record in client_records(update):
             terms += [(seed, -plan.lr * g * weight) for seed, g in record.grad_terms()]
     if terms:
         add_directions_(mean, terms, perturbation)  # merges shared seeds: one regeneration per direction
     return mean
+
+
+def block_probes(update: ClientUpdate, plan: LocalTraining, block_pi: np.ndarray) -> tuple[list[int], list[float]]:
+    """The blocks a personalized client's steps drew and their energy estimates pi_b g^2 (mean over queries)."""
+    blocks = [b for _, b in step_perturbations(update, plan, Perturbation(kind=plan.noise), block_pi)]
+    energies = [float(np.mean([probe_energy(g, block_pi, b) for g in row])) for b, row in zip(blocks, update.grads,
+                                                                                         strict=True)]
+    return blocks, energies
 
 
 def unflatten(dense: np.ndarray, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -108,40 +136,11 @@ def unflatten(dense: np.ndarray, like: Sequence[torch.Tensor]) -> list[torch.Ten
     return out
 
 
-@dataclass(frozen=True)
-class ServerOptimizer:
-    """Applies the mean update as a pseudo-gradient: `sgd` (lr 1 is plain FedAvg of updates) or `adam`
-    (FedAdam-style per-coordinate adaptive step on the pseudo-gradient)."""
-
-    name: str = "sgd"
-    lr: float = 1.0
-    beta1: float = 0.9
-    beta2: float = 0.99
-    tau: float = 1e-6
-
-    def init(self, tensors: Sequence[torch.Tensor]) -> OptState:
-        if self.name == "sgd":
-            return OptState()
-        if self.name == "adam":
-            return OptState(buffers={"m": [torch.zeros_like(t) for t in tensors],
-                                     "v": [torch.zeros_like(t) for t in tensors]})
-        raise ValueError(f"unknown server optimizer {self.name!r}; choose sgd or adam")
-
-    def apply(self, tensors: Sequence[torch.Tensor], state: OptState, delta: Sequence[torch.Tensor]) -> OptState:
-        with torch.no_grad():
-            if self.name == "sgd":
-                for t, d in zip(tensors, delta, strict=True):
-                    t.add_(d, alpha=self.lr)
-                return replace(state, step=state.step + 1)
-            for t, d, m, v in zip(tensors, delta, state.buffers["m"], state.buffers["v"], strict=True):
-                m.mul_(self.beta1).add_(d, alpha=1 - self.beta1)
-                v.mul_(self.beta2).addcmul_(d, d, value=1 - self.beta2)
-                t.addcdiv_(m, v.sqrt().add_(self.tau), value=self.lr)
-            return replace(state, step=state.step + 1)
-
-
-def broadcast(round_id: int, tensors: Sequence[torch.Tensor], config: dict) -> ServerBroadcast:
-    """The downlink of the next round: the new trainable weights (every server optimizer supports it)."""
+def broadcast(round_id: int, tensors: Sequence[torch.Tensor], config: dict,
+              server_state: np.ndarray | None = None) -> ServerBroadcast:
+    """The downlink of a round: the trainable weights (every server optimizer supports it), the round's
+    plan as config, and `server_state` (a personalized client's block distribution)."""
     weights = torch.cat([t.reshape(-1) for t in tensors]).numpy().astype(np.float32)
-    empty_u64, empty_f32 = np.zeros(0, np.uint64), np.zeros(0, np.float32)
-    return ServerBroadcast(round_id, "weights", empty_u64, empty_u64, empty_f32, empty_f32, weights, config)
+    empty_u64 = np.zeros(0, np.uint64)
+    state = np.zeros(0, np.float32) if server_state is None else server_state.astype(np.float32)
+    return ServerBroadcast(round_id, "weights", empty_u64, empty_u64, np.zeros(0, np.float32), state, weights, config)

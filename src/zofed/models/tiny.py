@@ -50,15 +50,15 @@ def tiny_tokenizer(vocab_size: int = 64) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def tiny_causal_lm(vocab_size: int = 64, seed: int = 0) -> LoadedModel:
-    """A random 2-layer Llama (~21k parameters at vocab 64) for fast unit tests; same seed, same weights."""
+def tiny_causal_lm(vocab_size: int = 64, seed: int = 0, num_layers: int = 2) -> LoadedModel:
+    """A random Llama (~21k parameters at vocab 64 and 2 layers) for fast unit tests; same seed, same weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = tiny_tokenizer(vocab_size)
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=32,
-        num_hidden_layers=2,
+        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         intermediate_size=64,

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from zofed.data.partition import PartitionConfig
 from zofed.data.tasks import TaskConfig
+from zofed.fl.server_opt import ServerOptimizer
 from zofed.models.selection import TrainableConfig
 from zofed.zo.noise import NoiseKind
 from zofed.zo.optim import OPTIMIZER_NAMES
@@ -100,15 +101,41 @@ class FinetuneConfig(_Section):
 
 
 class ServerOptimizerSection(_Section):
-    name: Literal["sgd", "adam"] = "sgd"
-    lr: float = Field(1.0, gt=0)
+    """Unset fields take the method's default (METHOD_SERVER_DEFAULTS): zofed uses block-wise adam."""
+
+    name: Literal["sgd", "adam", "yogi", "amsgrad"] | None = None
+    lr: float | None = Field(None, gt=0)
+    granularity: Literal["coordinate", "block"] | None = None
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.99, ge=0, lt=1)
     tau: float = Field(1e-6, gt=0)
 
+    def build(self, method: str) -> ServerOptimizer:
+        default = METHOD_SERVER_DEFAULTS.get(method, METHOD_SERVER_DEFAULTS["zo-seeds"])
+        name = self.name or default["name"]
+        # An lr only has a meaning for the optimizer it was set for: sgd's 1.0 is not an adam step.
+        lr = self.lr if self.lr is not None else (default["lr"] if name == default["name"] else SERVER_LR[name])
+        return ServerOptimizer(name, lr, self.beta1, self.beta2, self.tau, self.granularity or default["granularity"])
+
+
+SERVER_LR = {"sgd": 1.0, "adam": 1e-2, "yogi": 1e-2, "amsgrad": 1e-2}
+METHOD_SERVER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "zofed": {"name": "adam", "lr": 1e-2, "granularity": "block"},
+    "zo-seeds": {"name": "sgd", "lr": 1.0, "granularity": "coordinate"},
+    "fedadam": {"name": "adam", "lr": 1e-3, "granularity": "coordinate"},
+}
+
+
+class SamplingSection(_Section):
+    """zofed's personalized block sampling (fl/personal.py)."""
+
+    personalize: bool = True  # false: every step perturbs every block (the ablation without personalization)
+    mix: float = Field(0.3, gt=0, le=1)  # share of the size-proportional distribution kept in each client's pi
+    prior_weight: float = Field(2.0, gt=0)  # probes the global estimate is worth in a client's own estimate
+
 
 class FederationSection(_Section):
-    method: Literal["zo-seeds", "decomfl", "fedkseed", "fedmezo", "fedavg", "fedadam"] = "zo-seeds"
+    method: Literal["zofed", "zo-seeds", "decomfl", "fedkseed", "fedmezo", "fedavg", "fedadam"] = "zofed"
     rounds: int = Field(20, ge=1)
     clients_per_round: int = Field(5, ge=1)
     local_steps: int = Field(10, ge=1)
@@ -117,7 +144,12 @@ class FederationSection(_Section):
     first_order_lr: float = Field(1e-3, gt=0)
     partition: PartitionConfig = Field(default_factory=PartitionConfig)
     server_optimizer: ServerOptimizerSection = Field(default_factory=ServerOptimizerSection)
+    sampling: SamplingSection = Field(default_factory=SamplingSection)
     eval_every: int = Field(1, ge=1)  # rounds between evaluations on the fixed test subset
+
+    def round_method(self) -> str:
+        """The method the rounds run: zofed without personalization draws its steps like zo-seeds."""
+        return "zo-seeds" if self.method == "zofed" and not self.sampling.personalize else self.method
 
 
 class FederatedConfig(FinetuneConfig):

@@ -22,13 +22,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from zofed.data.partition import ClientSplit, client_splits, format_summary, plot_partition, summarize
 from zofed.fl.client import ClientContext
 from zofed.fl.first_order import FIRST_ORDER_METHODS, SERVER_OPTIMIZER_OF
-from zofed.fl.server import ServerOptimizer
+from zofed.fl.personal import BlockSampling
+from zofed.fl.roles import FederationPlan, ServerRole
 from zofed.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, write_atomic_text
 from zofed.run.config import ConfigError, FederatedConfig, dump_config
 from zofed.run.finetune import Setup, build, eval_indices, save_final
 from zofed.run.metrics import MetricsLog
 from zofed.sim.engine import simulate
-from zofed.zo.optim import OptState
 
 
 def per_client_accuracy(setup: Setup, splits: list[ClientSplit], batch_size: int) -> list[float]:
@@ -66,7 +66,7 @@ def run_federated(config: FederatedConfig, *, resume: bool = False, show_progres
     if not first_order and config.optimizer.name != "mezo":
         raise ConfigError(f"federated clients run MeZO locally (their steps must be rebuilt from seeds and scalars); "
                           f"optimizer.name={config.optimizer.name!r} is not supported here yet")
-    if first_order and fed.server_optimizer.name != SERVER_OPTIMIZER_OF[fed.method]:
+    if first_order and fed.server_optimizer.name not in (None, SERVER_OPTIMIZER_OF[fed.method]):
         raise ConfigError(f"{fed.method} uses the {SERVER_OPTIMIZER_OF[fed.method]} server optimizer: set "
                           f"federation.server_optimizer.name={SERVER_OPTIMIZER_OF[fed.method]}")
     out.mkdir(parents=True, exist_ok=True)
@@ -80,13 +80,19 @@ def run_federated(config: FederatedConfig, *, resume: bool = False, show_progres
     plot_partition(setup.train_data, [s.train for s in splits], out / "partition.png",
                    title=f"{fed.partition.scheme} (alpha {fed.partition.alpha}), {len(splits)} clients")
 
-    server_optimizer = ServerOptimizer(**fed.server_optimizer.model_dump())
+    method = fed.round_method()
+    local_lr = fed.first_order_lr if first_order else config.optimizer.lr
+    plan = FederationPlan(method, len(splits), fed.clients_per_round, fed.local_steps, local_lr,
+                          config.zo.eps, config.train.seed, config.zo.queries, config.train.batch_size,
+                          config.zo.noise, fed.pool_size)
+    server = ServerRole(plan, setup.trainable.tensors(), setup.trainable.masks, fed.server_optimizer.build(fed.method),
+                        BlockSampling(fed.sampling.mix, fed.sampling.prior_weight))
     metrics = MetricsLog(out / "metrics.jsonl")
-    start_round, server_state = 0, None
+    start_round = 0
     if find_checkpoint(out / "checkpoint") is not None:
         saved, meta = load_checkpoint(out / "checkpoint")
         setup.trainable.load_state_dict(saved["trainable"])
-        server_state = OptState.from_tensors(saved["server"])
+        server.load_state(setup.trainable.tensors(), saved)
         start_round = int(meta["round"])
         metrics.truncate_after(start_round)
     watch = eval_indices(config, setup.test)
@@ -98,10 +104,10 @@ def run_federated(config: FederatedConfig, *, resume: bool = False, show_progres
         result = setup.task.evaluate(setup.model, setup.test, config.train.eval_batch_size, watch)
         return {f"eval_{k}": v for k, v in result.items()}
 
-    def checkpoint(round_done: int, tensors, state: OptState) -> None:
-        trainable = {name: t.view_as(p) for name, t, p in zip(setup.trainable.names, tensors, setup.trainable.params,
-                                                               strict=True)}
-        save_checkpoint(out / "checkpoint", {"trainable": trainable, "server": state.to_tensors()},
+    def checkpoint(round_done: int, server: ServerRole) -> None:
+        trainable = {name: t.view_as(p) for name, t, p in zip(setup.trainable.names, server.tensors,
+                                                               setup.trainable.params, strict=True)}
+        save_checkpoint(out / "checkpoint", {"trainable": trainable, **server.state_tensors()},
                         {"round": round_done})
 
     columns = [TextColumn("[bold]federated rounds"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
@@ -120,13 +126,12 @@ def run_federated(config: FederatedConfig, *, resume: bool = False, show_progres
                 shown += f" | rejected {len(record['rejected'])}"
             progress.update(bar, advance=1, status=shown)
 
-        simulate(ctx, [s.train for s in splits], method=fed.method, rounds=fed.rounds,
-                 clients_per_round=fed.clients_per_round, local_steps=fed.local_steps, lr=config.optimizer.lr,
-                 eps=config.zo.eps, run_seed=config.train.seed, batch_size=config.train.batch_size,
-                 queries=config.zo.queries, noise=config.zo.noise, pool_size=fed.pool_size,
-                 server_optimizer=server_optimizer, first_order_optimizer=fed.first_order_optimizer,
-                 evaluate=evaluate, on_round=on_round,
-                 start_round=start_round, server_state=server_state, on_checkpoint=checkpoint)
+        simulate(ctx, [s.train for s in splits], method=method, rounds=fed.rounds,
+                 clients_per_round=fed.clients_per_round, local_steps=fed.local_steps, lr=plan.lr,
+                 eps=plan.eps, run_seed=plan.run_seed, batch_size=plan.batch_size, queries=plan.queries,
+                 noise=plan.noise, pool_size=plan.pool_size, first_order_optimizer=fed.first_order_optimizer,
+                 evaluate=evaluate, on_round=on_round, start_round=start_round, server=server,
+                 on_checkpoint=checkpoint)
     save_final(setup, out)
     test = setup.task.evaluate(setup.model, setup.test, config.train.eval_batch_size)
     clients = per_client_accuracy(setup, splits, config.train.eval_batch_size)

@@ -31,6 +31,10 @@ class Perturbation:
     def scale(self, i: int) -> float:
         return 1.0 if self.scales is None else float(self.scales[i])
 
+    def moves(self, i: int) -> bool:
+        """False when tensor i is left alone (scale 0): its noise need not be generated."""
+        return self.scale(i) != 0.0
+
     def mask(self, i: int) -> torch.Tensor | None:
         return None if self.masks is None else self.masks[i]
 
@@ -64,6 +68,8 @@ def add_directions_(tensors: Sequence[torch.Tensor], terms: Sequence[tuple[int, 
     terms = merge_terms(terms)
     source = source or NoiseSource(perturbation.kind)
     for i, flat in enumerate(tensors):
+        if not perturbation.moves(i):
+            continue
         for chunk, start, end in chunk_bounds(flat.numel()):
             for seed, coeff in terms:
                 flat[start:end].add_(perturbation.direction(source, seed, i, chunk, start, end, coeff))
@@ -78,6 +84,8 @@ def write_directions_(out: Sequence[torch.Tensor], base: Sequence[torch.Tensor],
     for i, (flat, clean) in enumerate(zip(out, base, strict=True)):
         for chunk, start, end in chunk_bounds(flat.numel()):
             flat[start:end].copy_(clean[start:end])
+            if not perturbation.moves(i):
+                continue
             for seed, coeff in terms:
                 flat[start:end].add_(perturbation.direction(source, seed, i, chunk, start, end, coeff))
 
@@ -101,7 +109,7 @@ def sweep_estimate(tensors: Sequence[torch.Tensor], restore: Sequence[tuple[int,
     for i, flat in enumerate(tensors):
         for chunk, start, end in chunk_bounds(flat.numel()):
             grad = torch.zeros(end - start, dtype=flat.dtype)
-            for seed in seeds:
+            for seed in seeds if perturbation.moves(i) else ():
                 u = perturbation.direction(source, seed, i, chunk, start, end, 1.0)
                 if seed in restore_c:
                     flat[start:end].add_(u, alpha=restore_c[seed])
