@@ -37,7 +37,9 @@ from zofed.run.finetune import build, finetune
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
-METHODS = ["zo-seeds", "decomfl", "fedkseed", "fedmezo", "fedavg", "fedadam"]
+# zofed and its ablations first; "zofed without either" is exactly zo-seeds (same seeds, sgd lr 1 on the server).
+METHODS = ["zofed", "zofed-no-personal", "zofed-no-momentum", "zo-seeds", "decomfl", "fedkseed", "fedmezo", "fedavg",
+           "fedadam"]
 REFERENCES = ["zero-shot", "centralized-mezo"]
 TASKS = {
     "sst2": ["task.template='Review: {text}\nSentiment:'", "task.verbalizer=[' negative', ' positive']"],
@@ -51,6 +53,8 @@ BUDGET = [f"federation.rounds={ROUNDS}", f"federation.clients_per_round={CLIENTS
           "federation.partition.test_fraction=0.1", f"train.batch_size={BATCH}", "data.eval_examples=100",
           "federation.eval_every=5", "task.max_length=64", "train.eval_batch_size=32"]
 METHOD_SETTINGS = {
+    "zofed": [], "zofed-no-personal": ["federation.sampling.personalize=false"],
+    "zofed-no-momentum": ["federation.server_optimizer.name=sgd"],
     "zo-seeds": [], "decomfl": [], "fedkseed": ["federation.pool_size=64"], "fedmezo": [],
     "fedavg": ["federation.server_optimizer.name=sgd"],
     "fedadam": ["federation.server_optimizer.name=adam", "federation.server_optimizer.lr=1e-3"],
@@ -65,7 +69,8 @@ def row_key(method: str, dataset: str, alpha: float, seed: int, model: str) -> s
 
 
 def _config(method: str, dataset: str, alpha: float, seed: int, out: Path) -> FederatedConfig:
-    settings = METHOD_SETTINGS.get(method, []) + ([f"federation.method={method}"] if method in METHODS else [])
+    settings = METHOD_SETTINGS.get(method, []) + ([f"federation.method={method.split('-no-')[0]}"]
+                                                  if method in METHODS else [])
     return load_config(None, [*COMMON, *TASKS[dataset], *BUDGET, *settings, f"data.source=shared:{dataset}",
                               f"federation.partition.alpha={alpha}", f"federation.partition.seed={seed}",
                               f"train.seed={seed}", f"out_dir={out}"], schema=FederatedConfig)
