@@ -92,7 +92,7 @@ def run_row(method: str, dataset: str, alpha: float, seed: int) -> dict:
             "bytes_down_per_client_round": results["bytes_down_per_client_round"],
             "rounds": fed.rounds, "clients": fed.partition.num_clients, "clients_per_round": fed.clients_per_round,
             "local_steps": fed.local_steps, "forward_passes": results["forward_passes"],
-            "peak_rss_mib": _peak(out),
+            "peak_rss_mib": _peak(out), "eval_curve": _eval_curve(out),
             "wall_seconds": round(results["seconds_this_sitting"], 1), "run_dir": str(out.relative_to(ROOT))}
 
 
@@ -126,15 +126,67 @@ def _reference_row(method: str, config: FederatedConfig, dataset: str, alpha: fl
             "wall_seconds": round(time.perf_counter() - t0, 1), "run_dir": str(out.relative_to(ROOT))}
 
 
+def _eval_curve(out: Path) -> list[list[float]]:
+    """[round, accuracy on the fixed test subset] at every evaluated round."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [[r["round"], r["eval_accuracy"]] for r in rows if r.get("event") == "round" and "eval_accuracy" in r]
+
+
 def _peak(out: Path) -> float:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return max(r.get("peak_rss_mib", 0.0) for r in rows)
 
 
-def write_table(rows: list[dict]) -> None:
+ORDER = REFERENCES + METHODS
+
+
+def _groups(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """Rows by (dataset, alpha, model, method), methods in the benchmark's order."""
     groups: dict[tuple, list[dict]] = {}
-    for r in rows:
+    for r in sorted(rows, key=lambda r: (r["dataset"], r["alpha"], r["model"], ORDER.index(r["method"]), r["seed"])):
         groups.setdefault((r["dataset"], r["alpha"], r["model"], r["method"]), []).append(r)
+    return groups
+
+
+def write_figures(rows: list[dict]) -> list[Path]:
+    """Per (dataset, alpha): subset accuracy against rounds and against cumulative uplink bytes per client,
+    mean over seeds, one line per federated method."""
+    from matplotlib.figure import Figure
+
+    paths = []
+    settings = sorted({(r["dataset"], r["alpha"], r["model"]) for r in rows if r.get("eval_curve")})
+    for dataset, alpha, model in settings:
+        fig = Figure(figsize=(11, 4.2))
+        by_round, by_bytes = fig.subplots(1, 2)
+        for (d, a, m, method), rs in _groups(rows).items():
+            curves = [r["eval_curve"] for r in rs if r.get("eval_curve")]
+            if (d, a, m) != (dataset, alpha, model) or not curves:
+                continue
+            rounds = np.array([c[0] for c in curves[0]])
+            acc = np.mean([[c[1] for c in curve] for curve in curves if len(curve) == len(rounds)], axis=0)
+            style = {"lw": 2.5} if method == "zofed" else {"lw": 1.2, "ls": "--" if method.startswith("fed") else "-"}
+            label = f"{method} ({len(curves)} seed{'s' if len(curves) > 1 else ''})"
+            by_round.plot(rounds, acc, marker="o", ms=3, label=label, **style)
+            by_bytes.plot(rounds * rs[0]["bytes_up_per_client_round"], acc, marker="o", ms=3, label=label, **style)
+        for method in REFERENCES:
+            ref = [r["final_accuracy"] for r in rows if (r["dataset"], r["alpha"], r["model"], r["method"])
+                   == (dataset, alpha, model, method)]
+            if ref:
+                by_round.axhline(float(np.mean(ref)), color="grey", lw=0.8, ls=":")
+                by_round.text(0.01, float(np.mean(ref)), f"{method} (full test)", fontsize="x-small", color="grey",
+                              va="bottom", transform=by_round.get_yaxis_transform())
+        by_round.set(xlabel="round", ylabel="accuracy on the fixed test subset", title=f"{dataset}, alpha {alpha}")
+        by_bytes.set(xscale="log", xlabel="cumulative uplink bytes per client", title="accuracy against bytes sent")
+        by_round.legend(fontsize="x-small")
+        fig.tight_layout()
+        path = RESULTS / f"federated_{dataset}_a{alpha}_{model}.png"
+        fig.savefig(path, dpi=110)
+        paths.append(path)
+    return paths
+
+
+def write_table(rows: list[dict]) -> None:
+    groups = _groups(rows)
     lines = ["# Federated methods on one budget", "",
              f"SmolLM2-135M, RMSNorm gains (35,136 values) perturbed (ZO) or trained (first-order), prompt "
              f"classification; 10 clients (Dirichlet label skew), {CLIENTS_PER_ROUND} per round, {LOCAL_STEPS} local "
@@ -144,13 +196,19 @@ def write_table(rows: list[dict]) -> None:
              "| client worst 10% | bytes up / client / round | bytes down / client / round | forward passes "
              "| peak RSS (MiB) |",
              "|" + "---|" * 12]
-    for (dataset, alpha, model, method), rs in sorted(groups.items()):
+    for (dataset, alpha, model, method), rs in groups.items():
         acc = np.array([r["final_accuracy"] for r in rs])
         lines.append(f"| {dataset} | {alpha} | {model} | {method} | {len(rs)} | {acc.mean():.4f} ± {acc.std():.4f} "
                      f"| {np.mean([r['client_accuracy_mean'] for r in rs]):.4f} "
                      f"| {np.mean([r['client_accuracy_worst10'] for r in rs]):.4f} "
                      f"| {rs[0]['bytes_up_per_client_round']:,.0f} | {rs[0]['bytes_down_per_client_round']:,.0f} "
                      f"| {rs[0]['forward_passes']:,} | {max(r['peak_rss_mib'] for r in rs):.0f} |")
+    figures = write_figures(rows)
+    lines += ["", "`zofed-no-personal`: zofed with `federation.sampling.personalize=false`; `zofed-no-momentum`: with "
+              "`federation.server_optimizer.name=sgd`; zofed without either is exactly `zo-seeds`. Zero-shot and "
+              "centralized MeZO (same forward passes as one federated ZO run, on the pooled client data) are "
+              "references, not federated.", ""]
+    lines += [f"![{p.stem}]({p.name})" for p in figures]
     write_atomic_text(RESULTS / "federated.md", "\n".join(lines) + "\n")
 
 
@@ -167,6 +225,9 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / "federated.json"
     table = json.loads(path.read_text()) if path.is_file() else {"meta": {}, "rows": {}}
+    for row in table["rows"].values():  # rows written before curves were recorded
+        if "eval_curve" not in row and row["rounds"] and (ROOT / row["run_dir"] / "metrics.jsonl").is_file():
+            row["eval_curve"] = _eval_curve(ROOT / row["run_dir"])
     table["meta"] = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
                      "settings": [*COMMON, *BUDGET]}
     for dataset in args.datasets:
