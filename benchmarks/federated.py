@@ -60,25 +60,32 @@ METHOD_SETTINGS = {
     "fedadam": ["federation.server_optimizer.name=adam", "federation.server_optimizer.lr=1e-3"],
 }
 # MeZO lr 3e-4: the projected gradients on these gains are ~3-4 in size, so a step moves each by ~1e-3.
-COMMON = ["model.name=smollm2-135m", "trainable.mode=patterns", "trainable.patterns=['norm\\.weight$']",
-          "optimizer.name=mezo", "optimizer.lr=3e-4", "zo.eps=1e-3", "federation.first_order_lr=1e-3"]
+COMMON = ["optimizer.name=mezo", "optimizer.lr=3e-4", "zo.eps=1e-3", "federation.first_order_lr=1e-3"]
+MODELS = {
+    "smollm2-135m": ["model.name=smollm2-135m", "trainable.mode=patterns", "trainable.patterns=['norm\\.weight$']"],
+    # MiniLM has no verbalizer: a classification head (new, random) on top, trained with the LayerNorm gains.
+    "minilm-l6": ["model.name=minilm-l6", "task.type=encoder-classification", "trainable.mode=patterns",
+                  "trainable.patterns=['LayerNorm\\.weight$', '^classifier\\.']"],
+}
 
 
 def row_key(method: str, dataset: str, alpha: float, seed: int, model: str) -> str:
     return f"{method}|{dataset}|{alpha}|{seed}|{model}"
 
 
-def _config(method: str, dataset: str, alpha: float, seed: int, out: Path) -> FederatedConfig:
+def _config(method: str, dataset: str, alpha: float, seed: int, out: Path, model: str) -> FederatedConfig:
     settings = METHOD_SETTINGS.get(method, []) + ([f"federation.method={method.split('-no-')[0]}"]
                                                   if method in METHODS else [])
-    return load_config(None, [*COMMON, *TASKS[dataset], *BUDGET, *settings, f"data.source=shared:{dataset}",
+    task = TASKS[dataset] if model == "smollm2-135m" else []
+    return load_config(None, [*MODELS[model], *COMMON, *task, *BUDGET, *settings, f"data.source=shared:{dataset}",
                               f"federation.partition.alpha={alpha}", f"federation.partition.seed={seed}",
                               f"train.seed={seed}", f"out_dir={out}"], schema=FederatedConfig)
 
 
-def run_row(method: str, dataset: str, alpha: float, seed: int) -> dict:
-    out = ROOT / "runs" / "bench" / "federated" / f"{method}-{dataset}-a{alpha}-s{seed}"
-    config = _config(method, dataset, alpha, seed, out)
+def run_row(method: str, dataset: str, alpha: float, seed: int, model: str = "smollm2-135m") -> dict:
+    suffix = "" if model == "smollm2-135m" else f"-{model}"
+    out = ROOT / "runs" / "bench" / "federated" / f"{method}-{dataset}-a{alpha}-s{seed}{suffix}"
+    config = _config(method, dataset, alpha, seed, out, model)
     if method in REFERENCES:
         return _reference_row(method, config, dataset, alpha, seed, out)
     results = run_federated(config, resume=find_checkpoint(out / "checkpoint") is not None,
@@ -218,6 +225,7 @@ def main() -> None:
     parser.add_argument("--datasets", nargs="*", default=list(TASKS))
     parser.add_argument("--alphas", type=float, nargs="*", default=[0.1, 1.0])
     parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1])
+    parser.add_argument("--model", choices=list(MODELS), default="smollm2-135m")
     args = parser.parse_args()
     if shared_data_dir() is None:
         print("skipped: ../shared/data not found (set ZOFED_SHARED_DATA to a folder holding sst2/ and agnews/)")
@@ -229,15 +237,15 @@ def main() -> None:
         if "eval_curve" not in row and row["rounds"] and (ROOT / row["run_dir"] / "metrics.jsonl").is_file():
             row["eval_curve"] = _eval_curve(ROOT / row["run_dir"])
     table["meta"] = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
-                     "settings": [*COMMON, *BUDGET]}
+                     "settings": [*COMMON, *BUDGET], "models": MODELS}
     for dataset in args.datasets:
         for alpha in args.alphas:
             for seed in args.seeds:
                 for method in args.methods:
-                    key = row_key(method, dataset, alpha, seed, "smollm2-135m")
+                    key = row_key(method, dataset, alpha, seed, args.model)
                     if key in table["rows"] or (method == "zero-shot" and seed != args.seeds[0]):
                         continue  # done already; zero-shot's test accuracy does not depend on the seed
-                    row = run_row(method, dataset, alpha, seed)
+                    row = run_row(method, dataset, alpha, seed, args.model)
                     table["rows"][key] = row
                     write_atomic_text(path, json.dumps(table, indent=2))
                     write_table(list(table["rows"].values()))
