@@ -3,35 +3,15 @@
 import numpy as np
 import pytest
 import torch
+from toy_federation import toy_clients, toy_context
 
-from zofed.data.sources import TextDataset
-from zofed.data.tasks import TaskConfig, make_task
-from zofed.fl.client import ClientContext, LocalTraining, run_client
+from zofed.fl.client import LocalTraining, run_client
 from zofed.fl.methods import METHODS, personalized, seed_plan
 from zofed.fl.protocol import encode, message_nbytes
 from zofed.fl.server import client_records, mean_update, rebuild_client_update
 from zofed.fl.server_opt import ServerOptimizer
-from zofed.models.selection import TrainableConfig, select_trainable
-from zofed.models.tiny import tiny_causal_lm
 from zofed.sim.engine import simulate
 from zofed.zo.perturb import Perturbation, merge_terms
-
-WORDS = ["good", "great", "bad", "awful"]
-
-
-def _context(vocab_size=64, seed=0, mode="all"):
-    tiny = tiny_causal_lm(vocab_size=vocab_size, seed=seed)
-    model, trainable = select_trainable(tiny.model, TrainableConfig(mode=mode, lora_r=2))
-    rng = np.random.default_rng(0)
-    labels = rng.integers(0, 2, size=120)
-    texts = [f"the movie was {WORDS[2 * (1 - lab) + int(rng.integers(2))]} w{int(rng.integers(20))}" for lab in labels]
-    data = TextDataset([{"text": t} for t in texts], labels.tolist(), ["negative", "positive"], "toy")
-    task = make_task(TaskConfig(template="{text} sentiment :", verbalizer=["negative", "positive"]), tiny.tokenizer, 2)
-    return ClientContext(model, trainable, task, task.encode(data))
-
-
-def _clients(n=6, size=120):
-    return [np.arange(size)[k::n] for k in range(n)]
 
 
 def _plan(method, steps=3, round_id=0):
@@ -47,11 +27,11 @@ def _skewed_pi(blocks):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_server_rebuilds_each_clients_exact_local_update(method):
-    ctx = _context()
+    ctx = toy_context()
     start = [t.clone() for t in ctx.trainable.tensors()]
     plan = _plan(method)
     pi = _skewed_pi(len(start)) if personalized(method) else None
-    update, final = run_client(ctx, start, 2, _clients()[2], plan, pi)
+    update, final = run_client(ctx, start, 2, toy_clients()[2], plan, pi)
     client_delta = torch.cat([(f - s).reshape(-1) for f, s in zip(final, start, strict=True)])
     rebuilt = rebuild_client_update(start, update, plan, Perturbation(), pi)
     server_delta = torch.cat([r.reshape(-1) for r in rebuilt])
@@ -62,10 +42,10 @@ def test_server_rebuilds_each_clients_exact_local_update(method):
 
 
 def test_mean_update_is_the_weighted_mean_of_rebuilt_updates():
-    ctx = _context()
+    ctx = toy_context()
     start = [t.clone() for t in ctx.trainable.tensors()]
     plan = _plan("zo-seeds")
-    updates = [run_client(ctx, start, k, idx, plan)[0] for k, idx in enumerate(_clients(3))]
+    updates = [run_client(ctx, start, k, idx, plan)[0] for k, idx in enumerate(toy_clients(3))]
     mean = torch.cat([m.reshape(-1) for m in mean_update(start, updates, plan, Perturbation())])
     total = sum(u.num_examples for u in updates)
     expected = sum(torch.cat([d.reshape(-1) for d in rebuild_client_update(start, u, plan, Perturbation())])
@@ -77,9 +57,9 @@ def test_decomfl_clients_share_seeds_so_the_server_regenerates_steps_not_clients
     plans = [seed_plan("decomfl", 1, 3, client, 5) for client in range(4)]
     assert all(p.step_seeds == plans[0].step_seeds for p in plans)
     assert seed_plan("zo-seeds", 1, 3, 0, 5).step_seeds != seed_plan("zo-seeds", 1, 3, 1, 5).step_seeds
-    ctx = _context()
+    ctx = toy_context()
     start = [t.clone() for t in ctx.trainable.tensors()]
-    updates = [run_client(ctx, start, k, idx, _plan("decomfl", steps=5))[0] for k, idx in enumerate(_clients(4))]
+    updates = [run_client(ctx, start, k, idx, _plan("decomfl", steps=5))[0] for k, idx in enumerate(toy_clients(4))]
     terms = [term for u in updates for r in client_records(u) for term in r.grad_terms()]
     assert len(terms) == 20 and len(merge_terms(terms)) == 5
 
@@ -95,17 +75,17 @@ def test_fedkseed_draws_only_from_its_pool():
 def test_seed_and_scalar_uplink_does_not_grow_with_the_model():
     sizes = []
     for vocab in (64, 4000):  # ~21k and ~150k trainable parameters
-        ctx = _context(vocab_size=vocab)
+        ctx = toy_context(vocab_size=vocab)
         start = [t.clone() for t in ctx.trainable.tensors()]
-        update, _ = run_client(ctx, start, 1, _clients()[1], _plan("zo-seeds", steps=10))
+        update, _ = run_client(ctx, start, 1, toy_clients()[1], _plan("zo-seeds", steps=10))
         sizes.append(message_nbytes(update))
     assert sizes[0] == sizes[1] and sizes[0] < 400
 
 
 def _run(tamper=None, rounds=3, method="zo-seeds"):
-    ctx = _context(mode="lora")
+    ctx = toy_context(mode="lora")
     history = []
-    result = simulate(ctx, _clients(), method=method, rounds=rounds, clients_per_round=3, local_steps=2, lr=1e-2,
+    result = simulate(ctx, toy_clients(), method=method, rounds=rounds, clients_per_round=3, local_steps=2, lr=1e-2,
                       eps=1e-2, run_seed=4, batch_size=8, server_optimizer=ServerOptimizer("adam", lr=1e-2),
                       tamper=tamper, on_round=history.append)
     return result, history
@@ -140,7 +120,7 @@ def test_a_round_where_every_uplink_is_bad_keeps_the_model():
     clean, _ = _run(rounds=1)
     broken, history = _run(tamper=lambda r, c, d: b"", rounds=1)
     assert history[0]["accepted"] == 0 and len(history[0]["rejected"]) == 3
-    ctx = _context(mode="lora")
+    ctx = toy_context(mode="lora")
     assert all(torch.equal(a, b) for a, b in zip(broken.global_tensors, ctx.trainable.tensors(), strict=True))
     assert encode  # the encoder is what the run used; bytes were measured from it
     assert clean.history[0]["bytes_up_per_client"] < 400
@@ -149,7 +129,7 @@ def test_a_round_where_every_uplink_is_bad_keeps_the_model():
 def test_first_order_client_uploads_its_dense_update_and_leaves_no_gradients():
     from zofed.fl.first_order import run_first_order_client
 
-    ctx = _context(mode="lora")
+    ctx = toy_context(mode="lora")
     start = [t.clone() for t in ctx.trainable.tensors()]
     batch = ctx.task.collate(ctx.train, list(range(40)))
     before = ctx.task.loss(ctx.model, batch)

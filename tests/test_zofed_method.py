@@ -3,10 +3,9 @@
 import numpy as np
 import pytest
 import torch
+from toy_federation import toy_clients, toy_context
 
-from zofed.data.sources import TextDataset
-from zofed.data.tasks import TaskConfig, make_task
-from zofed.fl.client import ClientContext, LocalTraining, run_client
+from zofed.fl.client import LocalTraining, run_client
 from zofed.fl.personal import (
     BlockSampling,
     BlockStats,
@@ -20,26 +19,7 @@ from zofed.fl.protocol import decode, message_nbytes
 from zofed.fl.roles import ClientRole, FederationPlan, ServerRole
 from zofed.fl.server import RoundInbox, rebuild_client_update
 from zofed.fl.server_opt import ServerOptimizer
-from zofed.models.selection import TrainableConfig, select_trainable
-from zofed.models.tiny import tiny_causal_lm
 from zofed.zo.perturb import Perturbation, add_directions_
-
-WORDS = ["good", "great", "bad", "awful"]
-
-
-def _context(vocab_size=64, num_layers=2, mode="all"):
-    tiny = tiny_causal_lm(vocab_size=vocab_size, num_layers=num_layers)
-    model, trainable = select_trainable(tiny.model, TrainableConfig(mode=mode, lora_r=2))
-    rng = np.random.default_rng(0)
-    labels = rng.integers(0, 2, size=120)
-    texts = [f"the movie was {WORDS[2 * (1 - lab) + int(rng.integers(2))]} w{int(rng.integers(20))}" for lab in labels]
-    data = TextDataset([{"text": t} for t in texts], labels.tolist(), ["negative", "positive"], "toy")
-    task = make_task(TaskConfig(template="{text} sentiment :", verbalizer=["negative", "positive"]), tiny.tokenizer, 2)
-    return ClientContext(model, trainable, task, task.encode(data))
-
-
-def _clients(n=6, size=120):
-    return [np.arange(size)[k::n] for k in range(n)]
 
 
 def test_personalized_steps_are_unbiased_with_identity_covariance():
@@ -85,7 +65,7 @@ def test_distribution_follows_each_clients_own_block_energies():
 
 
 def test_server_rebuilds_a_personalized_clients_update_exactly_and_learns_its_blocks():
-    ctx = _context()
+    ctx = toy_context()
     plan = FederationPlan("zofed", 6, 2, 4, lr=1e-2, eps=1e-2, run_seed=3, batch_size=8)
     server = ServerRole(plan, ctx.trainable.tensors(), ctx.trainable.masks, ServerOptimizer("adam", 1e-2,
                                                                                              granularity="block"))
@@ -97,12 +77,12 @@ def test_server_rebuilds_a_personalized_clients_update_exactly_and_learns_its_bl
     downlink = server.downlink(round_plan, 1)
     pi = decode(downlink).server_state
     assert pi[1] > 3 * server.sizes[1] / server.sizes.sum()
-    update, final = run_client(ctx, start, 1, _clients()[1], round_plan, pi)
+    update, final = run_client(ctx, start, 1, toy_clients()[1], round_plan, pi)
     rebuilt = torch.cat([r.reshape(-1) for r in rebuild_client_update(start, update, round_plan, Perturbation(), pi)])
     actual = torch.cat([(f - s).reshape(-1) for f, s in zip(final, start, strict=True)])
     assert actual.norm() > 0 and float((rebuilt - actual).norm() / actual.norm()) <= 1e-5
     inbox = RoundInbox()
-    server.receive(inbox, round_plan, 1, ClientRole(ctx).train(downlink, 1, _clients()[1], 0))
+    server.receive(inbox, round_plan, 1, ClientRole(ctx).train(downlink, 1, toy_clients()[1], 0))
     server.aggregate(round_plan, inbox)
     assert server.stats.client_counts[1].sum() == len(start) + 1 + 4
     assert server.stats.global_counts.sum() == len(start) + 1 + 4
@@ -111,12 +91,12 @@ def test_server_rebuilds_a_personalized_clients_update_exactly_and_learns_its_bl
 def test_uplink_bytes_do_not_depend_on_the_model():
     sizes, numels = [], []
     for vocab, layers in ((64, 2), (4000, 6)):
-        ctx = _context(vocab_size=vocab, num_layers=layers)
+        ctx = toy_context(vocab_size=vocab, num_layers=layers)
         start = [t.clone() for t in ctx.trainable.tensors()]
         sizes_b = block_sizes(start)
         pi = (sizes_b / sizes_b.sum()).astype(np.float32)
         plan = LocalTraining("zofed", run_seed=1, round_id=0, local_steps=10, lr=1e-2, eps=1e-2, batch_size=8)
-        update, _ = run_client(ctx, start, 0, _clients()[0], plan, pi)
+        update, _ = run_client(ctx, start, 0, toy_clients()[0], plan, pi)
         sizes.append(message_nbytes(update))
         numels.append(sum(t.numel() for t in start))
     assert numels[1] > 5 * numels[0]  # about 9 times the parameters, 3 times the blocks
