@@ -118,9 +118,11 @@ class ServerOptimizerSection(_Section):
         return ServerOptimizer(name, lr, self.beta1, self.beta2, self.tau, self.granularity or default["granularity"])
 
 
-SERVER_LR = {"sgd": 1.0, "adam": 1e-2, "yogi": 1e-2, "amsgrad": 1e-2}
+# Adaptive server steps move each coordinate by about lr a round. 3e-3 matches what the same forward passes
+# move a coordinate in centralized MeZO at lr 3e-4 (|g| ~ 3.5, sqrt(12 steps) ~ 3.5): see docs/method.md.
+SERVER_LR = {"sgd": 1.0, "adam": 3e-3, "yogi": 3e-3, "amsgrad": 3e-3}
 METHOD_SERVER_DEFAULTS: dict[str, dict[str, Any]] = {
-    "zofed": {"name": "adam", "lr": 1e-2, "granularity": "block"},
+    "zofed": {"name": "adam", "lr": 3e-3, "granularity": "block"},
     "zo-seeds": {"name": "sgd", "lr": 1.0, "granularity": "coordinate"},
     "fedadam": {"name": "adam", "lr": 1e-3, "granularity": "coordinate"},
 }
@@ -152,11 +154,21 @@ class FederationSection(_Section):
         return "zo-seeds" if self.method == "zofed" and not self.sampling.personalize else self.method
 
 
+class FlowerSection(_Section):
+    """Settings only the Flower backend reads (`zofed run --backend flower`, docs/flower.md)."""
+
+    min_clients: int | None = Field(None, ge=1)  # fewer usable replies in a round fail the run; None: all sampled
+    reply_timeout: float = Field(600.0, gt=0)  # seconds a round waits for its replies; later ones count as missing
+    node_timeout: float = Field(120.0, gt=0)  # seconds to wait for every SuperNode to connect
+    client_cpus: float = Field(1.0, gt=0)  # simulation: cores each simulated SuperNode holds
+
+
 class FederatedConfig(FinetuneConfig):
     """A federated run: the centralized sections (model, data, task, trainable, zo, local optimizer, train)
     plus the federation. `train.batch_size` is the clients' local batch; `train.seed` the run seed."""
 
     federation: FederationSection = Field(default_factory=FederationSection)
+    flower: FlowerSection = Field(default_factory=FlowerSection)
     out_dir: str = "runs/federated"
 
 
