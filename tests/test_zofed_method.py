@@ -9,6 +9,7 @@ from zofed.fl.client import LocalTraining, run_client
 from zofed.fl.personal import (
     BlockSampling,
     BlockStats,
+    MomentumTilt,
     block_sizes,
     check_distribution,
     client_distribution,
@@ -134,3 +135,31 @@ def test_block_granularity_keeps_the_direction_inside_a_block():
     assert ServerOptimizer("yogi").downlink_modes == ("weights",)
     with pytest.raises(ValueError, match="granularity"):
         ServerOptimizer("adam", granularity="layer")
+
+
+def test_momentum_tilted_steps_are_rebuilt_exactly_from_the_momentum_sent():
+    ctx = toy_context()
+    plan = FederationPlan("zofed", 6, 2, 3, lr=1e-2, eps=1e-2, run_seed=3, batch_size=8)
+    server = ServerRole(plan, ctx.trainable.tensors(), ctx.trainable.masks,
+                        ServerOptimizer("adam", 1e-2, granularity="block"), BlockSampling(tilt=0.5))
+    client = ClientRole(ctx)
+    for round_id in range(2):  # the first round gives the server a non-zero first moment
+        round_plan, inbox = server.round_plan(round_id), RoundInbox()
+        for c in server.sample(round_id):
+            server.receive(inbox, round_plan, c, client.train(server.downlink(round_plan, c), c, toy_clients()[c]))
+        server.aggregate(round_plan, inbox)
+    round_plan = server.round_plan(2)
+    assert round_plan.tilt == 0.5
+    start = [t.clone() for t in server.tensors]
+    state = decode(server.downlink(round_plan, 4)).server_state
+    pi = state[:len(start)]
+    tilt = MomentumTilt.from_flat(state[len(start):], start, 0.5)
+    assert max(float(b.abs().max()) for b in tilt.buffers) > 0
+    update, final = run_client(ctx, start, 4, toy_clients()[4], round_plan, pi, tilt)
+    rebuilt = torch.cat([r.reshape(-1) for r in rebuild_client_update(start, update, round_plan, Perturbation(), pi,
+                                                                      tilt)])
+    actual = torch.cat([(f - s).reshape(-1) for f, s in zip(final, start, strict=True)])
+    untilted = torch.cat([r.reshape(-1) for r in rebuild_client_update(start, update, round_plan, Perturbation(), pi)])
+    assert torch.equal(rebuilt, actual) and not torch.equal(untilted, actual)
+    with pytest.raises(ValueError, match="momentum"):
+        ServerRole(plan, start, None, ServerOptimizer("sgd"), BlockSampling(tilt=0.5))

@@ -15,7 +15,7 @@ import torch
 
 from zofed.data.tasks import Encoded, Task
 from zofed.fl.methods import personalized, seed_plan, uploads_dense
-from zofed.fl.personal import step_perturbation
+from zofed.fl.personal import MomentumTilt, step_perturbation
 from zofed.fl.protocol import ClientUpdate
 from zofed.models.selection import TrainableParams
 from zofed.zo.optim import MeZO
@@ -37,6 +37,7 @@ class LocalTraining:
     batch_size: int = 16
     noise: str = "rademacher"
     pool_size: int = 0  # fedkseed
+    tilt: float = 0.0  # zofed: lean towards the server's first moment (sent with the downlink)
 
     def to_config(self) -> dict[str, float | int | str]:
         """The plan as the downlink's config entries."""
@@ -71,9 +72,10 @@ def load_tensors_(tensors: Sequence[torch.Tensor], values: Sequence[torch.Tensor
 
 
 def run_client(ctx: ClientContext, global_tensors: Sequence[torch.Tensor], client_id: int, indices: np.ndarray,
-               plan: LocalTraining, block_pi: np.ndarray | None = None) -> tuple[ClientUpdate, list[torch.Tensor]]:
+               plan: LocalTraining, block_pi: np.ndarray | None = None,
+               tilt: MomentumTilt | None = None) -> tuple[ClientUpdate, list[torch.Tensor]]:
     """Train locally from `global_tensors`; returns the uplink and the client's final trainable tensors.
-    `block_pi` is the client's block distribution (personalized methods only)."""
+    `block_pi` is the client's block distribution and `tilt` the server's momentum (personalized methods)."""
     if len(indices) == 0:
         raise ValueError(f"client {client_id} has no training examples")
     tensors = ctx.trainable.tensors()
@@ -88,7 +90,7 @@ def run_client(ctx: ClientContext, global_tensors: Sequence[torch.Tensor], clien
     grads, losses = [], []
     for t, seed in enumerate(seeds.step_seeds):
         if personalized(plan.method):
-            pert, _ = step_perturbation(seed, block_pi, plan.noise, ctx.trainable.masks)
+            pert, _ = step_perturbation(seed, block_pi, plan.noise, ctx.trainable.masks, tilt)
         rng = np.random.default_rng([plan.run_seed, plan.round_id, client_id, t])
         batch = ctx.task.collate(ctx.train, rng.choice(indices, size=min(plan.batch_size, len(indices)),
                                                        replace=False))

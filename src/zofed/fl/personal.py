@@ -14,12 +14,15 @@ free from the scalars already uploaded.
 The server keeps those sums per client and for the whole federation (the global estimate is every client's
 prior) and sends each client its pi with the round's downlink: clients hold no state between rounds, the
 uplink stays one scalar per step, and the server knows every client's distribution exactly.
+
+Optionally (ZO-AdaMU-style shaping) each step's direction also leans towards the server's first moment m,
+sent with the downlink: z = (u_b + w m_b / rms(m_b)) / sqrt(pi_b). The server replays with the m it sent.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -40,12 +43,34 @@ class BlockSampling:
 
     mix: float = 0.3
     prior_weight: float = 2.0
+    tilt: float = 0.0  # lean of each direction towards the server's first moment (0: off)
 
     def __post_init__(self) -> None:
         if not 0 < self.mix <= 1:
             raise ValueError(f"block sampling mix must be in (0, 1], got {self.mix}")
         if self.prior_weight <= 0:
             raise ValueError(f"block sampling prior_weight must be positive, got {self.prior_weight}")
+
+
+@dataclass(frozen=True)
+class MomentumTilt:
+    """The server's first moment, per block, and how far each step's direction leans towards it."""
+
+    buffers: list[torch.Tensor]  # flat, one per block
+    weight: float
+
+    @classmethod
+    def from_flat(cls, flat: np.ndarray, like: Sequence[torch.Tensor], weight: float) -> MomentumTilt:
+        values = torch.from_numpy(np.ascontiguousarray(flat, dtype=np.float32))
+        if values.numel() != sum(t.numel() for t in like):
+            raise ValueError(f"momentum for the tilt has {values.numel()} values, the model "
+                             f"{sum(t.numel() for t in like)} trainable values")
+        if not torch.isfinite(values).all():
+            raise ValueError("momentum for the tilt must be finite")
+        return cls(list(torch.split(values, [t.numel() for t in like])), weight)
+
+    def rms(self) -> list[float]:
+        return [float(b.double().norm()) / max(1, b.numel()) ** 0.5 for b in self.buffers]
 
 
 def block_sizes(tensors: Sequence[torch.Tensor], masks: Sequence[torch.Tensor | None] | None = None) -> np.ndarray:
@@ -125,12 +150,16 @@ def draw_block(step_seed: int, pi: np.ndarray) -> int:
 
 
 def step_perturbation(step_seed: int, pi: np.ndarray, kind: str = "rademacher",
-                      masks: Sequence[torch.Tensor | None] | None = None) -> tuple[Perturbation, int]:
+                      masks: Sequence[torch.Tensor | None] | None = None,
+                      tilt: MomentumTilt | None = None) -> tuple[Perturbation, int]:
     """The perturbation of one step (one block, scaled by 1/sqrt(pi_b)) and the block it chose."""
     b = draw_block(step_seed, pi)
     scales = [0.0] * len(pi)
     scales[b] = float(1.0 / np.sqrt(np.float64(pi[b])))
-    return Perturbation(kind=kind, scales=scales, masks=masks), b
+    pert = Perturbation(kind=kind, scales=scales, masks=masks)
+    if tilt is not None and tilt.weight != 0.0:
+        pert = replace(pert, momentum=tilt.buffers, momentum_weight=tilt.weight, momentum_rms=tilt.rms())
+    return pert, b
 
 
 def probe_energy(grad: float, pi: np.ndarray, block: int) -> float:

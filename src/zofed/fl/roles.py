@@ -14,7 +14,7 @@ The server's whole state (global tensors, optimizer state, block statistics) is 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -22,7 +22,14 @@ import torch
 from zofed.fl.client import ClientContext, LocalTraining, load_tensors_, run_client
 from zofed.fl.first_order import FIRST_ORDER_METHODS, run_first_order_client
 from zofed.fl.methods import personalized
-from zofed.fl.personal import BlockSampling, BlockStats, block_sizes, check_distribution, client_distribution
+from zofed.fl.personal import (
+    BlockSampling,
+    BlockStats,
+    MomentumTilt,
+    block_sizes,
+    check_distribution,
+    client_distribution,
+)
 from zofed.fl.protocol import ServerBroadcast, decode, encode
 from zofed.fl.server import RoundInbox, block_probes, broadcast, mean_update, receive, unflatten
 from zofed.fl.server_opt import ServerOptimizer
@@ -69,21 +76,30 @@ class ServerRole:
         self.sizes = block_sizes(self.tensors, masks)
         self.stats = BlockStats.zeros(plan.num_clients, len(self.tensors))
         self.num_trainable = sum(t.numel() for t in self.tensors)
+        if self.sampling.tilt and "m" not in self.opt_state.buffers:
+            raise ValueError(f"a momentum tilt needs a server optimizer with momentum, not {self.optimizer.name}")
         self._sent_pi: dict[int, np.ndarray] = {}
+        self._sent_momentum: np.ndarray | None = None
 
     def round_plan(self, round_id: int) -> LocalTraining:
-        return self.plan.round(round_id)
+        plan = self.plan.round(round_id)
+        return replace(plan, tilt=self.sampling.tilt) if personalized(plan.method) else plan
 
     def sample(self, round_id: int) -> list[int]:
         return sample_clients(self.plan.run_seed, round_id, self.plan.num_clients, self.plan.clients_per_round)
 
     def downlink(self, plan: LocalTraining, client_id: int) -> bytes:
-        """The encoded message that starts `client_id`'s round: weights, the plan, its block distribution."""
-        pi = None
+        """The encoded message that starts `client_id`'s round: weights, the plan, its block distribution
+        (and, with a tilt, the server's first moment after it)."""
+        state = None
         if personalized(plan.method):
             pi = client_distribution(self.stats, client_id, self.sizes, self.sampling)
             self._sent_pi[client_id] = pi
-        return encode(broadcast(plan.round_id, self.tensors, plan.to_config(), pi))
+            state = pi
+            if plan.tilt:
+                self._sent_momentum = torch.cat(self.opt_state.buffers["m"]).numpy().astype(np.float32)
+                state = np.concatenate([pi, self._sent_momentum])
+        return encode(broadcast(plan.round_id, self.tensors, plan.to_config(), state))
 
     def receive(self, inbox: RoundInbox, plan: LocalTraining, client_id: int, data: bytes) -> None:
         receive(inbox, data, plan.round_id, client_id, plan, self.num_trainable)
@@ -94,12 +110,16 @@ class ServerRole:
             return
         perturbation = Perturbation(kind=plan.noise, masks=self.masks)
         pis = {u.client_id: self._sent_pi[u.client_id] for u in inbox.accepted if u.client_id in self._sent_pi}
-        delta = mean_update(self.tensors, inbox.accepted, plan, perturbation, pis)
+        tilt = None
+        if plan.tilt and self._sent_momentum is not None:
+            tilt = MomentumTilt.from_flat(self._sent_momentum, self.tensors, plan.tilt)
+        delta = mean_update(self.tensors, inbox.accepted, plan, perturbation, pis, tilt)
         self.opt_state = self.optimizer.apply(self.tensors, self.opt_state, delta)
         if personalized(plan.method):
             for update in inbox.accepted:
                 self.stats.record(update.client_id, *block_probes(update, plan, pis[update.client_id]))
         self._sent_pi.clear()
+        self._sent_momentum = None
 
     def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """The server's state besides the global tensors, as checkpoint files of named tensors."""
@@ -131,11 +151,13 @@ class ClientRole:
         if plan.method in FIRST_ORDER_METHODS:
             update, _ = run_first_order_client(self.ctx, start, client_id, indices, plan, self.first_order_optimizer)
         else:
-            pi = None
+            pi, tilt = None, None
             if personalized(plan.method):
-                pi = message.server_state
+                pi = message.server_state[:len(start)]
                 check_distribution(pi, len(start))
-            update, _ = run_client(self.ctx, start, client_id, indices, plan, pi)
+                if plan.tilt:
+                    tilt = MomentumTilt.from_flat(message.server_state[len(start):], start, plan.tilt)
+            update, _ = run_client(self.ctx, start, client_id, indices, plan, pi, tilt)
         return encode(update)
 
     def load_global(self, tensors: Sequence[torch.Tensor]) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from zofed.fl.client import LocalTraining
 from zofed.fl.methods import personalized
-from zofed.fl.personal import probe_energy, step_perturbation
+from zofed.fl.personal import MomentumTilt, probe_energy, step_perturbation
 from zofed.fl.protocol import ClientUpdate, MessageError, ServerBroadcast, decode, step_seeds
 from zofed.zo.optim import MeZO
 from zofed.zo.perturb import Perturbation, add_directions_
@@ -67,33 +67,38 @@ def client_records(update: ClientUpdate) -> list[StepRecord]:
 
 
 def step_perturbations(update: ClientUpdate, plan: LocalTraining, perturbation: Perturbation,
-                       block_pi: np.ndarray | None = None) -> list[tuple[Perturbation, int | None]]:
+                       block_pi: np.ndarray | None = None,
+                       tilt: MomentumTilt | None = None) -> list[tuple[Perturbation, int | None]]:
     """The perturbation each of the client's steps used, and the block it drew (personalized methods)."""
     if not personalized(plan.method):
         return [(perturbation, None)] * update.grads.shape[0]
     if block_pi is None:
         raise ValueError(f"rebuilding a {plan.method} update needs the client's block distribution")
-    return [step_perturbation(int(s), block_pi, perturbation.kind, perturbation.masks) for s in step_seeds(update)]
+    return [step_perturbation(int(s), block_pi, perturbation.kind, perturbation.masks, tilt)
+            for s in step_seeds(update)]
 
 
 def rebuild_client_update(global_tensors: Sequence[torch.Tensor], update: ClientUpdate, plan: LocalTraining,
-                          perturbation: Perturbation, block_pi: np.ndarray | None = None) -> list[torch.Tensor]:
+                          perturbation: Perturbation, block_pi: np.ndarray | None = None,
+                          tilt: MomentumTilt | None = None) -> list[torch.Tensor]:
     """One client's local update, replayed from its seeds and scalars (as the client computed it)."""
     if update.dense is not None:
         return unflatten(update.dense, global_tensors)
     tensors = [t.clone() for t in global_tensors]
     optimizer = MeZO()
     state = optimizer.init(tensors)
-    steps = step_perturbations(update, plan, perturbation, block_pi)
+    steps = step_perturbations(update, plan, perturbation, block_pi, tilt)
     for record, (pert, _) in zip(client_records(update), steps, strict=True):
         state = optimizer.apply(tensors, state, record.grad_terms(), [], plan.lr, pert)
     return [t - g for t, g in zip(tensors, global_tensors, strict=True)]
 
 
 def mean_update(global_tensors: Sequence[torch.Tensor], updates: Sequence[ClientUpdate], plan: LocalTraining,
-                perturbation: Perturbation, block_pis: Mapping[int, np.ndarray] | None = None) -> list[torch.Tensor]:
+                perturbation: Perturbation, block_pis: Mapping[int, np.ndarray] | None = None,
+                tilt: MomentumTilt | None = None) -> list[torch.Tensor]:
     """The example-weighted mean of the clients' local updates, streaming into one accumulator.
-    `block_pis` maps client id to the block distribution it was sent (personalized methods)."""
+    `block_pis` maps client id to the block distribution it was sent, `tilt` is the momentum every client
+    of the round was sent (personalized methods)."""
     if not updates:
         raise ValueError("no accepted client update to aggregate")
     total = sum(u.num_examples for u in updates)
@@ -107,7 +112,7 @@ def mean_update(global_tensors: Sequence[torch.Tensor], updates: Sequence[Client
             continue
         if personalized(plan.method):  # one block a step, each with its own scale: added step by step
             pi = (block_pis or {}).get(update.client_id)
-            steps = step_perturbations(update, plan, perturbation, pi)
+            steps = step_perturbations(update, plan, perturbation, pi, tilt)
             for record, (pert, _) in zip(client_records(update), steps, strict=True):
                 add_directions_(mean, [(s, -plan.lr * g * weight) for s, g in record.grad_terms()], pert)
             continue
