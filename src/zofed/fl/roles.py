@@ -64,6 +64,9 @@ def sample_clients(run_seed: int, round_id: int, num_clients: int, per_round: in
 
 
 class ServerRole:
+    """The server's side of every round: plans it, writes each sampled client's downlink, validates the
+    uplinks, rebuilds and aggregates them, and keeps the block statistics that shape the clients' sampling."""
+
     def __init__(self, plan: FederationPlan, tensors: Sequence[torch.Tensor],
                  masks: Sequence[torch.Tensor | None] | None = None, optimizer: ServerOptimizer | None = None,
                  sampling: BlockSampling | None = None) -> None:
@@ -105,8 +108,11 @@ class ServerRole:
         receive(inbox, data, plan.round_id, client_id, plan, self.num_trainable)
 
     def aggregate(self, plan: LocalTraining, inbox: RoundInbox) -> None:
-        """Rebuild and average the accepted updates, apply the server optimizer, record the block probes."""
+        """Rebuild and average the accepted updates, apply the server optimizer, record the block probes.
+        A round with no accepted update keeps the model."""
         if not inbox.accepted:
+            self._sent_pi.clear()
+            self._sent_momentum = None
             return
         perturbation = Perturbation(kind=plan.noise, masks=self.masks)
         pis = {u.client_id: self._sent_pi[u.client_id] for u in inbox.accepted if u.client_id in self._sent_pi}
