@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test lint bench-zo-step bench-centralized bench-scale bench-federated
+.PHONY: setup demo test lint bench-zo-step bench-centralized bench-scale bench-federated bench-flower
 
 setup:
 	@bash scripts/setup_env.sh
@@ -28,3 +28,6 @@ bench-scale: setup
 
 bench-federated: setup
 	$(PY) benchmarks/federated.py
+
+bench-flower: setup
+	$(PY) benchmarks/flower.py

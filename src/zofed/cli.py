@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 from pathlib import Path
@@ -10,11 +11,17 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.table import Table
 
 app = typer.Typer(help="Federated fine-tuning of language models with zeroth-order (forward-only) gradients.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 console = Console()
+
+
+class Backend(enum.StrEnum):
+    inprocess = "inprocess"
+    flower = "flower"
 
 
 @app.callback()
@@ -27,7 +34,7 @@ def _setup_logging() -> None:
 
 
 def _fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}")
+    console.print(f"[bold red]error:[/] {escape(message)}")  # messages may hold brackets: zofed[flower]
     raise typer.Exit(code=2)
 
 
@@ -75,8 +82,10 @@ def run(
     set_: Annotated[list[str] | None, typer.Option("--set", "-s", help="override, e.g. federation.rounds=5")] = None,
     out: Annotated[str | None, typer.Option(help="run directory")] = None,
     resume: Annotated[bool, typer.Option(help="continue the run in --out from its checkpoint")] = False,
+    backend: Annotated[Backend, typer.Option(help="inprocess: one process; flower: Flower's simulation engine "
+                                                  "(needs the flower extra, docs/flower.md)")] = Backend.inprocess,
 ) -> None:
-    """Federated ZO fine-tuning on the in-process engine (seeds and scalars up, weights down)."""
+    """Federated ZO fine-tuning (seeds and scalars up, weights down) on the in-process engine or on Flower."""
     from zofed.run.config import FederatedConfig, load_config
     from zofed.run.federated import run_federated
 
@@ -86,14 +95,52 @@ def run(
         fed = cfg.federation
         console.print(f"[bold]zofed run[/] method={fed.method} model={cfg.model.name} data={cfg.data.source} "
                       f"clients={fed.partition.num_clients} ({fed.partition.scheme}) rounds={fed.rounds} "
-                      f"-> {cfg.out_dir}")
-        results = run_federated(cfg, resume=resume, console=console)
+                      f"backend={backend.value} -> {cfg.out_dir}")
+        if backend is Backend.flower:
+            results = _run_on_flower(cfg, resume)
+        else:
+            results = run_federated(cfg, resume=resume, console=console)
     except _user_errors() as err:
         _fail(str(err))
     console.print(_results_table("federated results", results, (
         "client_accuracy_mean", "client_accuracy_worst10", "bytes_up_per_client_round",
         "bytes_down_per_client_round", "forward_passes", "rejected_uplinks")))
     console.print(f"run directory: {cfg.out_dir} (metrics.jsonl/.csv, partition.png, results.json)")
+
+
+def _run_on_flower(cfg, resume: bool) -> dict:
+    """The Flower simulation backend, imported only here: flwr is an optional extra."""
+    from zofed.flower import INSTALL_HINT
+
+    try:
+        from zofed.flower.rounds import FederationError
+        from zofed.flower.simulation import run_flower_simulation
+    except ImportError as err:
+        _fail(f"{INSTALL_HINT} ({err})")
+    try:
+        return run_flower_simulation(cfg, resume=resume, console=console)
+    except (ImportError, FederationError) as err:
+        _fail(str(err))
+
+
+@app.command("flower-app")
+def flower_app(
+    config: Annotated[Path, typer.Argument(help="YAML config of the federated run")],
+    out: Annotated[Path, typer.Option(help="directory to write the Flower app into")] = Path("flower-app"),
+    set_: Annotated[list[str] | None, typer.Option("--set", "-s", help="override, e.g. federation.rounds=5")] = None,
+    resume: Annotated[bool, typer.Option(help="the ServerApp continues out_dir's run from its checkpoint")] = False,
+) -> None:
+    """Write a Flower app (pyproject.toml with the resolved config) for `flwr run` on a real deployment."""
+    from zofed.flower.deploy import write_app
+    from zofed.run.config import FederatedConfig, load_config
+
+    try:
+        cfg = load_config(config, list(set_ or []), schema=FederatedConfig)
+        path = write_app(cfg, out, resume=resume)
+    except _user_errors() as err:
+        _fail(str(err))
+    console.print(f"wrote {path}: start the SuperLink and {cfg.federation.partition.num_clients} SuperNodes, then "
+                  f"`flwr run {out} <connection> --stream` (docs/flower.md)")
 
 
 @app.command()

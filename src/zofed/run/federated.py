@@ -1,5 +1,8 @@
 """A federated run on the in-process engine, top to bottom: build, partition, simulate rounds, evaluate, save.
 
+The setup, the per-round evaluation, checkpoints and metrics, and the final results live in `FederatedRun`,
+shared with the Flower backend (zofed.flower), so both engines write the same run directory.
+
 The run directory holds the resolved config, the partition (summary, JSON, plot), metrics per round as JSON
 lines and CSV, a checkpoint after every round (global trainable tensors, server optimizer state, round), the
 final trainable tensors and results.json. Rounds derive everything from (run seed, round), so a run resumed
@@ -12,6 +15,9 @@ import csv
 import io
 import json
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +60,88 @@ def _write_csv(metrics: MetricsLog, path: Path) -> None:
     write_atomic_text(path, buffer.getvalue())
 
 
-def run_federated(config: FederatedConfig, *, resume: bool = False, show_progress: bool = True,
-                  console: Console | None = None) -> dict[str, Any]:
-    """Run the configured federation on the in-process engine; returns (and writes) the final results."""
+@dataclass
+class FederatedRun:
+    """Everything a federated run shares whatever engine carries its messages: the built model and data, the
+    partition, the server role (restored from the run directory's checkpoint when resuming), and the run
+    directory's writers. The engine drives the rounds; this object evaluates, checkpoints and records them."""
+
+    config: FederatedConfig
+    out: Path
+    setup: Setup
+    splits: list[ClientSplit]
+    plan: FederationPlan
+    server: ServerRole
+    metrics: MetricsLog
+    start_round: int
+    watch: np.ndarray
+
+    def client_context(self) -> ClientContext:
+        return ClientContext(self.setup.model, self.setup.trainable, self.setup.task, self.setup.train)
+
+    def evaluate(self, round_done: int) -> dict[str, float]:
+        """The fixed test subset every `eval_every` rounds and after the last; the model must hold the global
+        tensors."""
+        fed = self.config.federation
+        if round_done % fed.eval_every and round_done != fed.rounds:
+            return {}
+        result = self.setup.task.evaluate(self.setup.model, self.setup.test, self.config.train.eval_batch_size,
+                                          self.watch)
+        return {f"eval_{k}": v for k, v in result.items()}
+
+    def checkpoint(self, round_done: int, server: ServerRole) -> None:
+        trainable = {name: t.view_as(p) for name, t, p in zip(self.setup.trainable.names, server.tensors,
+                                                               self.setup.trainable.params, strict=True)}
+        save_checkpoint(self.out / "checkpoint", {"trainable": trainable, **server.state_tensors()},
+                        {"round": round_done})
+
+    def write_round(self, record: dict) -> None:
+        self.metrics.write({"step": record["round"], "event": "round", **record})
+        _write_csv(self.metrics, self.out / "metrics.csv")
+
+    @contextmanager
+    def progress(self, console: Console, show: bool) -> Iterator[Callable[[dict], None]]:
+        """A progress bar over the rounds; yields the `on_round(record)` that writes and shows each round."""
+        columns = [TextColumn("[bold]federated rounds"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                   TextColumn("{task.fields[status]}")]
+        with Progress(*columns, console=console, disable=not show) as progress:
+            bar = progress.add_task("rounds", total=self.config.federation.rounds, completed=self.start_round,
+                                    status="")
+
+            def on_round(record: dict) -> None:
+                self.write_round(record)
+                shown = f"loss {record['train_loss']:.3f}"
+                if "eval_accuracy" in record:
+                    shown += f" | eval acc {record['eval_accuracy']:.4f}"
+                if record["rejected"]:
+                    shown += f" | rejected {len(record['rejected'])}"
+                progress.update(bar, advance=1, status=shown)
+
+            yield on_round
+
+    def finish(self, seconds: float, **extra: Any) -> dict[str, Any]:
+        """Save the final tensors (the model must hold the global ones), test, and write results.json."""
+        setup, config, fed = self.setup, self.config, self.config.federation
+        save_final(setup, self.out)
+        test = setup.task.evaluate(setup.model, setup.test, config.train.eval_batch_size)
+        clients = per_client_accuracy(setup, self.splits, config.train.eval_batch_size)
+        history = [r for r in self.metrics.read() if r["event"] == "round"]
+        results = {"test": test, "test_examples": len(setup.test), "method": fed.method, "rounds": fed.rounds,
+                   "client_accuracies": clients,
+                   "client_accuracy_mean": float(np.mean(clients)) if clients else None,
+                   "client_accuracy_worst10": worst_decile_mean(clients) if clients else None,
+                   "bytes_up_per_client_round": float(np.mean([r["bytes_up_per_client"] for r in history])),
+                   "bytes_down_per_client_round": float(np.mean([r["bytes_down_per_client"] for r in history])),
+                   "forward_passes": history[-1]["forward_passes"] if history else 0,
+                   "rejected_uplinks": sum(len(r["rejected"]) for r in history),
+                   "trainable_parameters": setup.trainable.numel(), "seconds_this_sitting": seconds, **extra}
+        write_atomic_text(self.out / "results.json", json.dumps(results, indent=2))
+        return results
+
+
+def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Console | None = None) -> FederatedRun:
+    """Check the config, build model, data and partition, write the partition files, make (or restore) the
+    server role."""
     console = console or Console()
     out = Path(config.out_dir)
     if find_checkpoint(out / "checkpoint") is not None and not resume:
@@ -86,7 +171,7 @@ def run_federated(config: FederatedConfig, *, resume: bool = False, show_progres
                           config.zo.eps, config.train.seed, config.zo.queries, config.train.batch_size,
                           config.zo.noise, fed.pool_size)
     server = ServerRole(plan, setup.trainable.tensors(), setup.trainable.masks, fed.server_optimizer.build(fed.method),
-                        BlockSampling(fed.sampling.mix, fed.sampling.prior_weight))
+                        BlockSampling(fed.sampling.mix, fed.sampling.prior_weight, fed.sampling.tilt))
     metrics = MetricsLog(out / "metrics.jsonl")
     start_round = 0
     if find_checkpoint(out / "checkpoint") is not None:
@@ -96,54 +181,21 @@ def run_federated(config: FederatedConfig, *, resume: bool = False, show_progres
         start_round = int(meta["round"])
         metrics.truncate_after(start_round)
     watch = eval_indices(config, setup.test)
-    ctx = ClientContext(setup.model, setup.trainable, setup.task, setup.train)
+    return FederatedRun(config, out, setup, splits, plan, server, metrics, start_round, watch)
 
-    def evaluate(round_done: int) -> dict[str, float]:
-        if round_done % fed.eval_every and round_done != fed.rounds:
-            return {}
-        result = setup.task.evaluate(setup.model, setup.test, config.train.eval_batch_size, watch)
-        return {f"eval_{k}": v for k, v in result.items()}
 
-    def checkpoint(round_done: int, server: ServerRole) -> None:
-        trainable = {name: t.view_as(p) for name, t, p in zip(setup.trainable.names, server.tensors,
-                                                               setup.trainable.params, strict=True)}
-        save_checkpoint(out / "checkpoint", {"trainable": trainable, **server.state_tensors()},
-                        {"round": round_done})
-
-    columns = [TextColumn("[bold]federated rounds"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-               TextColumn("{task.fields[status]}")]
+def run_federated(config: FederatedConfig, *, resume: bool = False, show_progress: bool = True,
+                  console: Console | None = None) -> dict[str, Any]:
+    """Run the configured federation on the in-process engine; returns (and writes) the final results."""
+    console = console or Console()
+    run = prepare_run(config, resume=resume, console=console)
+    fed, plan = config.federation, run.plan
     t0 = time.perf_counter()
-    with Progress(*columns, console=console, disable=not show_progress) as progress:
-        bar = progress.add_task("rounds", total=fed.rounds, completed=start_round, status="")
-
-        def on_round(record: dict) -> None:
-            metrics.write({"step": record["round"], "event": "round", **record})
-            _write_csv(metrics, out / "metrics.csv")
-            shown = f"loss {record['train_loss']:.3f}"
-            if "eval_accuracy" in record:
-                shown += f" | eval acc {record['eval_accuracy']:.4f}"
-            if record["rejected"]:
-                shown += f" | rejected {len(record['rejected'])}"
-            progress.update(bar, advance=1, status=shown)
-
-        simulate(ctx, [s.train for s in splits], method=method, rounds=fed.rounds,
+    with run.progress(console, show_progress) as on_round:
+        simulate(run.client_context(), [s.train for s in run.splits], method=plan.method, rounds=fed.rounds,
                  clients_per_round=fed.clients_per_round, local_steps=fed.local_steps, lr=plan.lr,
                  eps=plan.eps, run_seed=plan.run_seed, batch_size=plan.batch_size, queries=plan.queries,
                  noise=plan.noise, pool_size=plan.pool_size, first_order_optimizer=fed.first_order_optimizer,
-                 evaluate=evaluate, on_round=on_round, start_round=start_round, server=server,
-                 on_checkpoint=checkpoint)
-    save_final(setup, out)
-    test = setup.task.evaluate(setup.model, setup.test, config.train.eval_batch_size)
-    clients = per_client_accuracy(setup, splits, config.train.eval_batch_size)
-    history = [r for r in metrics.read() if r["event"] == "round"]
-    results = {"test": test, "test_examples": len(setup.test), "method": fed.method, "rounds": fed.rounds,
-               "client_accuracies": clients,
-               "client_accuracy_mean": float(np.mean(clients)) if clients else None,
-               "client_accuracy_worst10": worst_decile_mean(clients) if clients else None,
-               "bytes_up_per_client_round": float(np.mean([r["bytes_up_per_client"] for r in history])),
-               "bytes_down_per_client_round": float(np.mean([r["bytes_down_per_client"] for r in history])),
-               "forward_passes": history[-1]["forward_passes"] if history else 0,
-               "rejected_uplinks": sum(len(r["rejected"]) for r in history),
-               "trainable_parameters": setup.trainable.numel(), "seconds_this_sitting": time.perf_counter() - t0}
-    write_atomic_text(out / "results.json", json.dumps(results, indent=2))
-    return results
+                 evaluate=run.evaluate, on_round=on_round, start_round=run.start_round, server=run.server,
+                 on_checkpoint=run.checkpoint)
+    return run.finish(time.perf_counter() - t0)

@@ -1,0 +1,166 @@
+"""The ServerApp side: find the SuperNodes and the partition each holds, then drive zofed's rounds over a
+Flower Grid with the shared server role.
+
+Replies arrive in any order; they are handed to `ServerRole.receive` in ascending client id, the order the
+in-process engine uses, so the aggregate sums in the same order and the same config and seeds give the same
+model. Nothing is swallowed: a client error, a reply that is not a zofed uplink and a reply that does not come
+within `flower.reply_timeout` are each recorded in the round's `rejected` list with a reason and counted; a
+round with fewer usable uplinks than `flower.min_clients` stops the run with an error naming them.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from collections.abc import Callable
+
+import numpy as np
+from flwr.app import Message, RecordDict
+from flwr.serverapp import Grid
+
+from zofed.fl.client import load_tensors_
+from zofed.fl.server import RoundInbox
+from zofed.flower.messages import QUERY, TRAIN, error_reason, flower_nbytes, read_partition, read_uplink, train_content
+from zofed.run.federated import FederatedRun
+
+log = logging.getLogger("zofed.flower")
+
+
+class FederationError(RuntimeError):
+    """The Flower federation cannot go on: too few SuperNodes, a partition held twice, too few replies."""
+
+
+def min_clients(run: FederatedRun) -> int:
+    """Usable uplinks a round needs: `flower.min_clients`, or every sampled client when unset."""
+    fed, flower = run.config.federation, run.config.flower
+    sampled = min(fed.clients_per_round, len(run.splits))
+    if flower.min_clients is None:
+        return sampled
+    if flower.min_clients > sampled:
+        raise FederationError(f"flower.min_clients={flower.min_clients} is more than the {sampled} clients a "
+                              f"round samples (federation.clients_per_round)")
+    return flower.min_clients
+
+
+def connect_clients(grid: Grid, num_clients: int, node_timeout: float) -> dict[int, int]:
+    """Wait for the SuperNodes, ask each for its partition (both within `node_timeout`: the first answer may
+    wait for a worker process to start); returns client id -> node id, one node a client."""
+    deadline = time.monotonic() + node_timeout
+    nodes = sorted(grid.get_node_ids())
+    while len(nodes) < num_clients:
+        if time.monotonic() > deadline:
+            raise FederationError(f"{len(nodes)} of {num_clients} SuperNodes connected within "
+                                  f"{node_timeout:g} s (flower.node_timeout); one SuperNode serves one client")
+        time.sleep(0.2)
+        nodes = sorted(grid.get_node_ids())
+    queries = [Message(RecordDict(), dst_node_id=node, message_type=QUERY) for node in nodes]
+    replies = list(grid.send_and_receive(queries, timeout=max(deadline - time.monotonic(), 1.0)))
+    client_node: dict[int, int] = {}
+    problems = []
+    for reply in replies:
+        node = reply.metadata.src_node_id
+        if reply.has_error():
+            problems.append(f"node {node}: {error_reason(reply)}")
+            continue
+        partition_id, num_partitions = read_partition(reply)
+        if num_partitions != num_clients:
+            problems.append(f"node {node} says num-partitions={num_partitions}, the config has {num_clients} clients "
+                            f"(federation.partition.num_clients)")
+        elif not 0 <= partition_id < num_clients:
+            problems.append(f"node {node} holds partition-id={partition_id}, outside 0..{num_clients - 1}")
+        elif partition_id in client_node:
+            problems.append(f"partition-id={partition_id} is held by nodes {client_node[partition_id]} and {node}")
+        else:
+            client_node[partition_id] = node
+    unanswered = len(nodes) - len(replies)
+    if unanswered:
+        problems.append(f"{unanswered} SuperNodes did not answer the partition query within {node_timeout:g} s "
+                        f"of the start (flower.node_timeout)")
+    absent = sorted(set(range(num_clients)) - set(client_node))
+    if absent:
+        problems.append(f"no SuperNode holds partition {', '.join(map(str, absent))}")
+    if problems:
+        raise FederationError("the SuperNodes do not cover the partition: " + "; ".join(problems))
+    return client_node
+
+
+def flower_round(grid: Grid, run: FederatedRun, round_id: int, client_node: dict[int, int]) -> dict:
+    """One round over the grid; aggregates, evaluates and checkpoints; returns the round's metrics record."""
+    t0 = time.perf_counter()
+    server = run.server
+    timeout = run.config.flower.reply_timeout
+    plan = server.round_plan(round_id)
+    sampled = server.sample(round_id)  # ascending client ids
+    sent: dict[int, Message] = {}
+    bytes_down, flower_down = [], []
+    for client_id in sampled:
+        downlink = server.downlink(plan, client_id)
+        bytes_down.append(len(downlink))
+        message = Message(train_content(downlink, client_id, round_id), dst_node_id=client_node[client_id],
+                          message_type=TRAIN, group_id=str(round_id))
+        flower_down.append(flower_nbytes(message))
+        sent[client_id] = message
+    node_client = {node: client for client, node in client_node.items()}
+    replies: dict[int, Message] = {}
+    for reply in grid.send_and_receive(list(sent.values()), timeout=timeout):
+        client_id = node_client.get(reply.metadata.src_node_id)
+        if client_id in sent and client_id not in replies:
+            replies[client_id] = reply
+    inbox, losses, flower_up = RoundInbox(), [], []
+    errors, missing = 0, 0
+    for client_id in sampled:
+        reply = replies.get(client_id)
+        if reply is None:
+            missing += 1
+            inbox.rejected.append((client_id, f"missing: no reply within {timeout:g} s (flower.reply_timeout)"))
+            continue
+        if reply.has_error():
+            errors += 1
+            inbox.rejected.append((client_id, f"client_error: {error_reason(reply)}"))
+            continue
+        try:
+            uplink = read_uplink(reply)
+        except ValueError as err:
+            errors += 1
+            inbox.rejected.append((client_id, f"bad_reply: {err}"))
+            continue
+        flower_up.append(flower_nbytes(reply))
+        accepted = len(inbox.accepted)
+        server.receive(inbox, plan, client_id, uplink)
+        if len(inbox.accepted) > accepted:
+            losses.append(inbox.accepted[-1].metrics["train_loss"])
+    record = {"round": round_id + 1, "clients": sampled, "accepted": len(inbox.accepted),
+              "rejected": [{"client": c, "reason": r} for c, r in inbox.rejected],
+              "client_errors": errors, "missing": missing,
+              "bytes_up_per_client": float(np.mean(inbox.bytes_up)) if inbox.bytes_up else 0.0,
+              "bytes_down_per_client": float(np.mean(bytes_down)),
+              "flower_bytes_up_per_client": float(np.mean(flower_up)) if flower_up else 0.0,
+              "flower_bytes_down_per_client": float(np.mean(flower_down)),
+              "train_loss": float(np.mean(losses)) if losses else float("nan"),
+              "forward_passes": 2 * plan.queries * plan.local_steps * len(sampled) * (round_id + 1)}
+    needed = min_clients(run)
+    if len(inbox.accepted) < needed:
+        run.metrics.write({"step": round_id + 1, "event": "round_failed", **record})
+        reasons = "; ".join(f"client {c}: {r}" for c, r in inbox.rejected)
+        raise FederationError(f"round {round_id + 1}: {len(inbox.accepted)} of {len(sampled)} sampled clients gave a "
+                              f"usable uplink, fewer than flower.min_clients={needed} ({reasons})")
+    server.aggregate(plan, inbox)
+    load_tensors_(run.setup.trainable.tensors(), server.tensors)  # the server's model evaluates and is saved
+    record["round_seconds"] = round(time.perf_counter() - t0, 3)
+    record["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    record.update(run.evaluate(round_id + 1))
+    run.checkpoint(round_id + 1, server)
+    return record
+
+
+def serve(grid: Grid, run: FederatedRun, on_round: Callable[[dict], None]) -> float:
+    """Connect the SuperNodes and run the remaining rounds; returns the seconds spent connecting."""
+    min_clients(run)  # a config that can never be met fails before any node is asked
+    t0 = time.perf_counter()
+    client_node = connect_clients(grid, len(run.splits), run.config.flower.node_timeout)
+    connect_seconds = time.perf_counter() - t0
+    log.info("%d SuperNodes hold the %d partitions (%.1f s)", len(client_node), len(run.splits), connect_seconds)
+    for round_id in range(run.start_round, run.config.federation.rounds):
+        on_round(flower_round(grid, run, round_id, client_node))
+    return connect_seconds

@@ -1,0 +1,138 @@
+"""The Flower backend on Flower's simulation engine: the same model as the in-process engine, the same run
+directory, failures counted per round, and a clear error when too few clients answer."""
+
+import json
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+pytest.importorskip("flwr", reason="the Flower backend needs flwr (pip install 'zofed[flower]')")
+
+from flwr.app import Context, Message  # noqa: E402
+from flwr.clientapp import ClientApp  # noqa: E402
+
+from zofed.cli import app as cli  # noqa: E402
+from zofed.flower.apps import make_client_app  # noqa: E402
+from zofed.flower.client import answer_query, train_client  # noqa: E402
+from zofed.flower.config import config_text, parse_config_text  # noqa: E402
+from zofed.flower.deploy import render_app_pyproject  # noqa: E402
+from zofed.flower.rounds import FederationError  # noqa: E402
+from zofed.flower.simulation import run_flower_simulation  # noqa: E402
+from zofed.run.config import FederatedConfig, dump_config, load_config  # noqa: E402
+from zofed.run.federated import run_federated  # noqa: E402
+
+
+def _config(ws, out, *extra):
+    overrides = [f"model.name={ws / 'model'}", f"data.source={ws / 'train.jsonl'}",
+                 f"data.test_source={ws / 'test.jsonl'}", "data.eval_examples=20",
+                 "task.template='review : {text} . sentiment :'", "task.verbalizer=[negative, positive]",
+                 "trainable.mode=lora", "trainable.lora_r=2", "optimizer.lr=0.02", "zo.eps=0.01",
+                 "train.batch_size=8", "federation.rounds=2", "federation.clients_per_round=2",
+                 "federation.local_steps=2", "federation.partition.num_clients=2",
+                 "federation.partition.alpha=1.0", "flower.reply_timeout=300", f"out_dir={out}", *extra]
+    return load_config(None, overrides, schema=FederatedConfig)
+
+
+def _final(out):
+    return load_file(str(out / "final" / "trainable.safetensors"))
+
+
+def _rounds(out, event="round"):
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["event"] == event]
+
+
+def test_flower_simulation_gives_the_in_process_model_bit_for_bit(tiny_workspace, tmp_path):
+    """Same config and seeds: equal final tensors, equal per-round metrics, the same uplink bytes."""
+    inproc = run_federated(_config(tiny_workspace, tmp_path / "inprocess"), show_progress=False)
+    dump_config(_config(tiny_workspace, tmp_path / "flower"), tmp_path / "flower.yaml")
+    invoked = CliRunner().invoke(cli, ["run", str(tmp_path / "flower.yaml"), "--backend", "flower"])
+    assert invoked.exit_code == 0, invoked.output
+    flower = json.loads((tmp_path / "flower" / "results.json").read_text())
+    a, b = _final(tmp_path / "inprocess"), _final(tmp_path / "flower")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(a[k].abs().sum() > 0 for k in a if "lora_B" in k)  # trained: LoRA B starts at zero
+    assert flower["test"] == inproc["test"] and flower["backend"] == "flower"
+    assert flower["bytes_up_per_client_round"] == inproc["bytes_up_per_client_round"] < 400
+    for x, y in zip(_rounds(tmp_path / "inprocess"), _rounds(tmp_path / "flower"), strict=True):
+        for key in ("clients", "accepted", "rejected", "bytes_up_per_client", "bytes_down_per_client",
+                    "train_loss", "eval_accuracy", "eval_loss", "forward_passes"):
+            assert x[key] == y[key], key
+        assert y["client_errors"] == y["missing"] == 0
+        assert y["bytes_up_per_client"] < y["flower_bytes_up_per_client"] < 10 * y["bytes_up_per_client"] + 4096
+    assert sorted(p.name for p in (tmp_path / "flower").iterdir()) == sorted(
+        p.name for p in (tmp_path / "inprocess").iterdir())
+
+
+def _faulty_client_app(text, fail_client, hang_client=None):
+    """zofed's ClientApp, except that one client raises and another never answers in round 1."""
+    app = ClientApp()
+
+    @app.query()
+    def query(message: Message, context: Context) -> Message:
+        return answer_query(message, context)
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        partition = int(context.node_config["partition-id"])
+        if message.metadata.group_id == "0" and partition == fail_client:
+            raise RuntimeError("disk full on this client")
+        if message.metadata.group_id == "0" and partition == hang_client:
+            import time
+
+            time.sleep(200)  # well past the round's reply timeout
+        return train_client(message, context, text)
+
+    return app
+
+
+def test_client_errors_and_missing_replies_are_counted_per_round(tiny_workspace, tmp_path):
+    cfg = _config(tiny_workspace, tmp_path / "faulty", "federation.partition.num_clients=3",
+                  "federation.clients_per_round=3", "flower.min_clients=1", "flower.reply_timeout=120")
+    results = run_flower_simulation(cfg, show_progress=False, client_app=_faulty_client_app(config_text(cfg), 0, 2))
+    first, second = _rounds(tmp_path / "faulty")
+    assert first["client_errors"] == 1 and first["missing"] == 1 and first["accepted"] == 1
+    reasons = {r["client"]: r["reason"] for r in first["rejected"]}
+    assert reasons[0].startswith("client_error:") and "disk full on this client" in reasons[0]
+    assert reasons[2].startswith("missing: no reply within 120 s")
+    assert second["accepted"] == 3 and second["rejected"] == [] and second["client_errors"] == second["missing"] == 0
+    assert results["rejected_uplinks"] == 2
+
+
+def test_fewer_answers_than_min_clients_stop_the_run(tiny_workspace, tmp_path):
+    cfg = _config(tiny_workspace, tmp_path / "short", "flower.min_clients=2")
+    expected = (r"round 1: 1 of 2 sampled clients .* flower.min_clients=2 "
+                r"\(client 1: client_error: .*disk full on this client\)$")
+    with pytest.raises(FederationError, match=expected):
+        run_flower_simulation(cfg, show_progress=False, client_app=_faulty_client_app(config_text(cfg), 1))
+    failed = _rounds(tmp_path / "short", "round_failed")
+    assert len(failed) == 1 and failed[0]["client_errors"] == 1
+    assert not (tmp_path / "short" / "results.json").exists()
+
+
+def test_min_clients_above_the_sample_is_a_config_error(tiny_workspace, tmp_path):
+    cfg = _config(tiny_workspace, tmp_path / "bad", "flower.min_clients=3")
+    with pytest.raises(FederationError, match="min_clients=3 is more than the 2 clients"):
+        run_flower_simulation(cfg, show_progress=False, client_app=make_client_app(config_text(cfg)))
+
+
+def test_config_travels_as_text_and_in_the_app_pyproject(tiny_workspace, tmp_path):
+    import tomli
+
+    cfg = _config(tiny_workspace, tmp_path / "x", "flower.min_clients=1")
+    assert parse_config_text(config_text(cfg)) == cfg
+    app = tomli.loads(render_app_pyproject(cfg, resume=True))["tool"]["flwr"]["app"]
+    assert app["components"] == {"serverapp": "zofed.flower.apps:server_app",
+                                 "clientapp": "zofed.flower.apps:client_app"}
+    assert app["config"]["zofed-resume"] is True
+    assert parse_config_text(app["config"]["zofed-config"]) == cfg
+
+
+def test_the_flower_backend_without_flwr_names_the_extra(tiny_workspace, tmp_path, monkeypatch):
+    dump_config(_config(tiny_workspace, tmp_path / "none"), tmp_path / "c.yaml")
+    monkeypatch.setitem(sys.modules, "flwr", None)  # as if flwr were not installed
+    result = CliRunner().invoke(cli, ["run", str(tmp_path / "c.yaml"), "--backend", "flower"])
+    assert result.exit_code == 2 and "install zofed[flower]" in " ".join(result.output.split())
+    assert not (tmp_path / "none").exists()
