@@ -6,22 +6,14 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from toy_federation import tiny_federated_config
 from typer.testing import CliRunner
 
 from zofed.cli import app
-from zofed.run.config import ConfigError, FederatedConfig, dump_config, load_config
+from zofed.run.config import ConfigError, dump_config
 from zofed.run.federated import run_federated, worst_decile_mean
 
-
-def _config(ws, out, *extra):
-    overrides = [f"model.name={ws / 'model'}", f"data.source={ws / 'train.jsonl'}",
-                 f"data.test_source={ws / 'test.jsonl'}", "data.eval_examples=30",
-                 "task.template='review : {text} . sentiment :'", "task.verbalizer=[negative, positive]",
-                 "trainable.mode=lora", "trainable.lora_r=2", "optimizer.lr=0.02", "zo.eps=0.01",
-                 "train.batch_size=8", "federation.rounds=3", "federation.clients_per_round=2",
-                 "federation.local_steps=2", "federation.partition.num_clients=4",
-                 "federation.partition.alpha=1.0", f"out_dir={out}", *extra]
-    return load_config(None, overrides, schema=FederatedConfig)
+_config = tiny_federated_config
 
 
 def test_run_writes_round_metrics_csv_partition_and_results(tiny_workspace, tmp_path):

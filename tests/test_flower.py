@@ -13,6 +13,7 @@ pytest.importorskip("flwr", reason="the Flower backend needs flwr (pip install '
 
 from flwr.app import Context, Message  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
+from toy_federation import tiny_federated_config  # noqa: E402
 
 from zofed.cli import app as cli  # noqa: E402
 from zofed.flower.apps import make_client_app  # noqa: E402
@@ -21,19 +22,13 @@ from zofed.flower.config import config_text, parse_config_text  # noqa: E402
 from zofed.flower.deploy import render_app_pyproject  # noqa: E402
 from zofed.flower.rounds import FederationError  # noqa: E402
 from zofed.flower.simulation import run_flower_simulation  # noqa: E402
-from zofed.run.config import FederatedConfig, dump_config, load_config  # noqa: E402
+from zofed.run.config import dump_config  # noqa: E402
 from zofed.run.federated import run_federated  # noqa: E402
 
 
 def _config(ws, out, *extra):
-    overrides = [f"model.name={ws / 'model'}", f"data.source={ws / 'train.jsonl'}",
-                 f"data.test_source={ws / 'test.jsonl'}", "data.eval_examples=20",
-                 "task.template='review : {text} . sentiment :'", "task.verbalizer=[negative, positive]",
-                 "trainable.mode=lora", "trainable.lora_r=2", "optimizer.lr=0.02", "zo.eps=0.01",
-                 "train.batch_size=8", "federation.rounds=2", "federation.clients_per_round=2",
-                 "federation.local_steps=2", "federation.partition.num_clients=2",
-                 "federation.partition.alpha=1.0", "flower.reply_timeout=300", f"out_dir={out}", *extra]
-    return load_config(None, overrides, schema=FederatedConfig)
+    return tiny_federated_config(ws, out, "data.eval_examples=20", "federation.rounds=2",
+                                 "federation.partition.num_clients=2", "flower.reply_timeout=300", *extra)
 
 
 def _final(out):

@@ -19,9 +19,10 @@ from safetensors.torch import load_file
 
 pytest.importorskip("flwr", reason="the Flower backend needs flwr (pip install 'zofed[flower]')")
 
+from toy_federation import tiny_federated_config  # noqa: E402
+
 from zofed.flower.deploy import write_app  # noqa: E402
 from zofed.flower.local import LocalDeployment, free_port, run_insecure  # noqa: E402
-from zofed.run.config import FederatedConfig, load_config  # noqa: E402
 from zofed.run.federated import run_federated  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,15 +30,9 @@ RUN_TIMEOUT = 240  # seconds for a whole `flwr run`
 
 
 def _config(ws, out, *extra):
-    overrides = [f"model.name={ws / 'model'}", f"data.source={ws / 'train.jsonl'}",
-                 f"data.test_source={ws / 'test.jsonl'}", "data.eval_examples=20",
-                 "task.template='review : {text} . sentiment :'", "task.verbalizer=[negative, positive]",
-                 "trainable.mode=lora", "trainable.lora_r=2", "optimizer.lr=0.02", "zo.eps=0.01",
-                 "train.batch_size=8", "federation.rounds=2", "federation.clients_per_round=2",
-                 "federation.local_steps=2", "federation.partition.num_clients=2",
-                 "federation.partition.alpha=1.0", "flower.node_timeout=90", "flower.reply_timeout=150",
-                 f"out_dir={out}", *extra]
-    return load_config(None, overrides, schema=FederatedConfig)
+    return tiny_federated_config(ws, out, "data.eval_examples=20", "federation.rounds=2",
+                                 "federation.partition.num_clients=2", "flower.node_timeout=90",
+                                 "flower.reply_timeout=150", *extra)
 
 
 def _rounds(out: Path) -> list[dict]:

@@ -24,3 +24,17 @@ def toy_context(vocab_size: int = 64, seed: int = 0, mode: str = "all", num_laye
 
 def toy_clients(n: int = 6, size: int = 120) -> list[np.ndarray]:
     return [np.arange(size)[k::n] for k in range(n)]
+
+
+def tiny_federated_config(ws, out, *extra: str):
+    """A 3-round federated run on the `tiny_workspace` fixture's model and data; `extra` overrides win."""
+    from zofed.run.config import FederatedConfig, load_config
+
+    overrides = [f"model.name={ws / 'model'}", f"data.source={ws / 'train.jsonl'}",
+                 f"data.test_source={ws / 'test.jsonl'}", "data.eval_examples=30",
+                 "task.template='review : {text} . sentiment :'", "task.verbalizer=[negative, positive]",
+                 "trainable.mode=lora", "trainable.lora_r=2", "optimizer.lr=0.02", "zo.eps=0.01",
+                 "train.batch_size=8", "federation.rounds=3", "federation.clients_per_round=2",
+                 "federation.local_steps=2", "federation.partition.num_clients=4",
+                 "federation.partition.alpha=1.0", f"out_dir={out}", *extra]
+    return load_config(None, overrides, schema=FederatedConfig)
