@@ -1,10 +1,11 @@
-"""The server role: validate uplinks, rebuild the round's mean update from seeds and scalars, apply a server
-optimizer, and produce the downlink.
+"""The server's building blocks: validate uplinks, rebuild the round's mean update from seeds and scalars,
+and write the downlink (roles.py puts them together into a round; server_opt.py applies the update).
 
 The mean update of the seed-and-scalar methods is a linear combination of directions, so the server sums
 every client's (seed, coefficient) terms, merges terms that share a seed, and regenerates each direction
 once, streaming over tensors into one accumulator: memory does not grow with the number of clients, and
-when clients share seeds (DeComFL) neither does the time.
+when clients share seeds (DeComFL) neither does the time. zofed's personalized steps each carry their own
+block and scale, so they are added step by step, regenerating one block per step.
 """
 
 from __future__ import annotations
