@@ -13,6 +13,7 @@ The server's whole state (global tensors, optimizer state, block statistics) is 
 
 from __future__ import annotations
 
+import resource
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -56,6 +57,19 @@ class FederationPlan:
     def round(self, round_id: int) -> LocalTraining:
         return LocalTraining(self.method, self.run_seed, round_id, self.local_steps, self.lr, self.eps,
                              self.queries, self.batch_size, self.noise, self.pool_size)
+
+
+def round_record(plan: LocalTraining, sampled: list[int], inbox: RoundInbox, bytes_down: list[int],
+                 losses: list[float], seconds: float) -> dict:
+    """The metrics every backend writes for a round (backends may add their own fields)."""
+    return {"round": plan.round_id + 1, "clients": sampled, "accepted": len(inbox.accepted),
+            "rejected": [{"client": c, "reason": r} for c, r in inbox.rejected],
+            "bytes_up_per_client": float(np.mean(inbox.bytes_up)) if inbox.bytes_up else 0.0,
+            "bytes_down_per_client": float(np.mean(bytes_down)),
+            "train_loss": float(np.mean(losses)) if losses else float("nan"),
+            "forward_passes": 2 * plan.queries * plan.local_steps * len(sampled) * (plan.round_id + 1),
+            "round_seconds": round(seconds, 3),
+            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
 
 
 def sample_clients(run_seed: int, round_id: int, num_clients: int, per_round: int) -> list[int]:

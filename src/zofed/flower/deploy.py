@@ -9,10 +9,9 @@ ClientApps on the SuperNodes' machines.
 from __future__ import annotations
 
 import json
+import tomllib
 from importlib.resources import files
 from pathlib import Path
-
-import tomli
 
 from zofed.flower.config import config_text
 from zofed.run.config import ConfigError, FederatedConfig
@@ -24,7 +23,7 @@ def render_app_pyproject(config: FederatedConfig, *, resume: bool = False) -> st
     # parse below proves it for this config.
     text = template.replace("zofed-resume = false", f"zofed-resume = {'true' if resume else 'false'}").replace(
         '"ZOFED_CONFIG_YAML"', json.dumps(config_text(config), ensure_ascii=False))
-    parsed = tomli.loads(text)
+    parsed = tomllib.loads(text)
     if parsed["tool"]["flwr"]["app"]["config"]["zofed-config"] != config_text(config):
         raise ConfigError("the config did not survive the TOML round trip into the Flower app")
     return text

@@ -11,7 +11,6 @@ round with fewer usable uplinks than `flower.min_clients` stops the run with an 
 from __future__ import annotations
 
 import logging
-import resource
 import time
 from collections.abc import Callable
 
@@ -20,6 +19,7 @@ from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 
 from zofed.fl.client import load_tensors_
+from zofed.fl.roles import round_record
 from zofed.fl.server import RoundInbox
 from zofed.flower.messages import QUERY, TRAIN, error_reason, flower_nbytes, read_partition, read_uplink, train_content
 from zofed.run.federated import FederatedRun
@@ -130,15 +130,10 @@ def flower_round(grid: Grid, run: FederatedRun, round_id: int, client_node: dict
         server.receive(inbox, plan, client_id, uplink)
         if len(inbox.accepted) > accepted:
             losses.append(inbox.accepted[-1].metrics["train_loss"])
-    record = {"round": round_id + 1, "clients": sampled, "accepted": len(inbox.accepted),
-              "rejected": [{"client": c, "reason": r} for c, r in inbox.rejected],
+    record = {**round_record(plan, sampled, inbox, bytes_down, losses, time.perf_counter() - t0),
               "client_errors": errors, "missing": missing,
-              "bytes_up_per_client": float(np.mean(inbox.bytes_up)) if inbox.bytes_up else 0.0,
-              "bytes_down_per_client": float(np.mean(bytes_down)),
               "flower_bytes_up_per_client": float(np.mean(flower_up)) if flower_up else 0.0,
-              "flower_bytes_down_per_client": float(np.mean(flower_down)),
-              "train_loss": float(np.mean(losses)) if losses else float("nan"),
-              "forward_passes": 2 * plan.queries * plan.local_steps * len(sampled) * (round_id + 1)}
+              "flower_bytes_down_per_client": float(np.mean(flower_down))}
     needed = min_clients(run)
     if len(inbox.accepted) < needed:
         run.metrics.write({"step": round_id + 1, "event": "round_failed", **record})
@@ -147,8 +142,7 @@ def flower_round(grid: Grid, run: FederatedRun, round_id: int, client_node: dict
                               f"usable uplink, fewer than flower.min_clients={needed} ({reasons})")
     server.aggregate(plan, inbox)
     load_tensors_(run.setup.trainable.tensors(), server.tensors)  # the server's model evaluates and is saved
-    record["round_seconds"] = round(time.perf_counter() - t0, 3)
-    record["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    record["round_seconds"] = round(time.perf_counter() - t0, 3)  # the aggregate included, as in-process
     record.update(run.evaluate(round_id + 1))
     run.checkpoint(round_id + 1, server)
     return record

@@ -9,7 +9,6 @@ a run repeats bit for bit.
 
 from __future__ import annotations
 
-import resource
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ import torch
 from zofed.fl.client import ClientContext
 from zofed.fl.personal import BlockSampling
 from zofed.fl.protocol import decode
-from zofed.fl.roles import ClientRole, FederationPlan, ServerRole, sample_clients
+from zofed.fl.roles import ClientRole, FederationPlan, ServerRole, round_record, sample_clients
 from zofed.fl.server import RoundInbox
 from zofed.fl.server_opt import ServerOptimizer
 
@@ -70,14 +69,7 @@ def simulate(ctx: ClientContext, client_indices: Sequence[np.ndarray], *, method
             server.receive(inbox, round_plan, client_id, uplink)
         server.aggregate(round_plan, inbox)
         client.load_global(server.tensors)
-        record = {"round": round_id + 1, "clients": sampled, "accepted": len(inbox.accepted),
-                  "rejected": [{"client": c, "reason": r} for c, r in inbox.rejected],
-                  "bytes_up_per_client": float(np.mean(inbox.bytes_up)),
-                  "bytes_down_per_client": float(np.mean(bytes_down)),
-                  "train_loss": float(np.mean(losses)),
-                  "forward_passes": 2 * queries * local_steps * len(sampled) * (round_id + 1),
-                  "round_seconds": round(time.perf_counter() - t0, 3),
-                  "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+        record = round_record(round_plan, sampled, inbox, bytes_down, losses, time.perf_counter() - t0)
         if evaluate is not None:
             record.update(evaluate(round_id + 1))
         result.history.append(record)
