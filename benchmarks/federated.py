@@ -280,8 +280,11 @@ def write_table(rows: list[dict]) -> None:
              f"(Dirichlet label skew), {CLIENTS_PER_ROUND} per round, {LOCAL_STEPS} local "
              f"steps of batch {BATCH}, {ROUNDS} rounds. Final accuracy is on the full test split; client accuracy on "
              "each client's own held-out 10%. Wall seconds cover the rounds, not the final evaluation; rows with "
-             "`torch_threads: 1` in the JSON ran two at a time, one thread each (`--jobs 2 --threads 1`), and take "
-             "about 1.3 times as long as one row alone on both cores. Reproduce: `make bench-federated`.", "",
+             "`torch_threads: 1` in the JSON ran two at a time, one thread each (`--jobs 2 --threads 1`): each takes "
+             "about 1.6 times as long as one row alone on both cores, so a pair finishes about 1.25 times sooner "
+             "than two rows in turn. The seed-0 rows "
+             "shared the machine with other work, so their wall times are longer still. "
+             "Reproduce: `make bench-federated`.", "",
              "| dataset | alpha | model | method | seeds | final accuracy (mean ± std) | client mean "
              "| client worst 10% | bytes up / client / round | bytes down / client / round | forward passes "
              "| peak RSS (MiB) | wall s (mean) |",
