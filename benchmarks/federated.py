@@ -23,6 +23,7 @@ import platform
 import resource
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -117,7 +118,7 @@ def _row_process(method: str, dataset: str, alpha: float, seed: int, model: str,
     return {**run_row(method, dataset, alpha, seed, model), "peak_rss_scope": "row", "torch_threads": threads}
 
 
-def run_rows(pending: list[tuple], jobs: int, threads: int):
+def run_rows(pending: list[tuple], jobs: int, threads: int) -> Iterator[tuple[str, dict]]:
     """Yield (key, row) as rows finish. Every row runs in a fresh process, so its peak RSS is its own and not the
     heaviest earlier row's; `jobs` rows run at once."""
     from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -333,6 +334,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1, help="rows run at once, each in its own process")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads per row")
     args = parser.parse_args()
+    if args.jobs < 1 or args.threads < 1:
+        parser.error("--jobs and --threads must be at least 1")
     if shared_data_dir() is None:
         print("skipped: ../shared/data not found (set ZOFED_SHARED_DATA to a folder holding sst2/ and agnews/)")
         return
