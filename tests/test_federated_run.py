@@ -41,6 +41,16 @@ def test_resumed_federated_run_ends_bit_identical(tiny_workspace, tmp_path):
     assert all(torch.equal(whole[k], split[k]) for k in whole)
 
 
+def test_resume_refuses_a_run_made_with_another_config(tiny_workspace, tmp_path):
+    out = tmp_path / "run"
+    run_federated(_config(tiny_workspace, out, "federation.rounds=1"), show_progress=False)
+    before = (out / "final" / "trainable.safetensors").read_bytes()
+    with pytest.raises(ConfigError, match=r"federation.method \('zofed' -> 'zo-seeds'\)"):
+        run_federated(_config(tiny_workspace, out, "federation.method=zo-seeds"), resume=True, show_progress=False)
+    assert (out / "final" / "trainable.safetensors").read_bytes() == before
+    assert "method: zofed" in (out / "config.yaml").read_text()  # the stored config is left as it was
+
+
 def test_federated_config_errors(tiny_workspace, tmp_path):
     with pytest.raises(ConfigError, match="federation.method"):
         _config(tiny_workspace, tmp_path, "federation.method=fedsomething")
@@ -48,6 +58,9 @@ def test_federated_config_errors(tiny_workspace, tmp_path):
         _config(tiny_workspace, tmp_path, "federation.partition.alpha=0")
     with pytest.raises(ConfigError, match="MeZO locally"):
         run_federated(_config(tiny_workspace, tmp_path / "r", "optimizer.name=zo-adam"), show_progress=False)
+    with pytest.raises(ConfigError, match="warm start needs a block-wise adaptive"):
+        run_federated(_config(tiny_workspace, tmp_path / "w", "federation.method=zo-seeds",
+                              "federation.server_optimizer.warm_start=true"), show_progress=False)
 
 
 def test_cli_run_and_a_partition_that_cannot_be_made(tiny_workspace, tmp_path):

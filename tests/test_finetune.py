@@ -77,6 +77,9 @@ def test_existing_run_is_not_overwritten_without_resume(tiny_workspace, tmp_path
     finetune(_config(tiny_workspace, tmp_path / "run", steps=5), show_progress=False)
     with pytest.raises(ConfigError, match="--resume"):
         finetune(_config(tiny_workspace, tmp_path / "run", steps=5), show_progress=False)
+    with pytest.raises(ConfigError, match=r"train.seed \(0 -> 7\)"):
+        finetune(_config(tiny_workspace, tmp_path / "run", steps=5, seed=7), resume=True,
+                 show_progress=False)
 
 
 def test_config_errors_name_the_key(tmp_path):

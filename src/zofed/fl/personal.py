@@ -120,6 +120,21 @@ def global_energy(stats: BlockStats, sizes: np.ndarray, settings: BlockSampling)
     return (w * density * sizes + stats.global_sums) / (w + stats.global_counts)
 
 
+def expected_update_square(energy: np.ndarray, sizes: np.ndarray, numels: np.ndarray, lr: float, queries: int,
+                           steps: Sequence[tuple[float, float, int]]) -> np.ndarray:
+    """Each block's expected mean of d^2 in a round's mean update, from its energy estimate |grad_b|^2.
+
+    `steps` holds (client weight, pi_b, b) for every step of the round. A step on block b adds
+    -lr w g u_b / sqrt(pi_b) with E[g^2] = |grad_b|^2 / pi_b, so it adds lr^2 w^2 |grad_b|^2 / pi_b^2 to each
+    of the block's moving coordinates (divided by q when q queries each carry 1/q of the step); the
+    directions are independent, so the squares add. This is the steps' noise: their coherent part, the
+    gradient itself, is about 1/n_b of it and left out."""
+    total = np.zeros(len(sizes))
+    for weight, pi_b, b in steps:
+        total[b] += (lr * weight) ** 2 / (float(pi_b) ** 2 * queries)
+    return total * energy * sizes / numels
+
+
 def client_distribution(stats: BlockStats, client_id: int, sizes: np.ndarray,
                         settings: BlockSampling) -> np.ndarray:
     """pi for one client: its own energies shrunk to the global ones, then the variance-optimal shape

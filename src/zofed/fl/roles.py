@@ -30,6 +30,8 @@ from zofed.fl.personal import (
     block_sizes,
     check_distribution,
     client_distribution,
+    expected_update_square,
+    global_energy,
 )
 from zofed.fl.protocol import ServerBroadcast, decode, encode
 from zofed.fl.server import RoundInbox, block_probes, broadcast, mean_update, receive, unflatten
@@ -134,10 +136,19 @@ class ServerRole:
         if plan.tilt and self._sent_momentum is not None:
             tilt = MomentumTilt.from_flat(self._sent_momentum, self.tensors, plan.tilt)
         delta = mean_update(self.tensors, inbox.accepted, plan, perturbation, pis, tilt)
-        self.opt_state = self.optimizer.apply(self.tensors, self.opt_state, delta)
+        expected_square = None
         if personalized(plan.method):
-            for update in inbox.accepted:
-                self.stats.record(update.client_id, *block_probes(update, plan, pis[update.client_id]))
+            probes = {u.client_id: block_probes(u, plan, pis[u.client_id]) for u in inbox.accepted}
+            for client_id, (blocks, energies) in probes.items():
+                self.stats.record(client_id, blocks, energies)
+            if self.optimizer.warm_start:  # the round's own probes are part of the energies it is judged by
+                total = sum(u.num_examples for u in inbox.accepted)
+                steps = [(u.num_examples / total, pis[u.client_id][b], b)
+                         for u in inbox.accepted for b in probes[u.client_id][0]]
+                numels = np.asarray([t.numel() for t in self.tensors], dtype=np.float64)
+                expected_square = expected_update_square(global_energy(self.stats, self.sizes, self.sampling),
+                                                         self.sizes, numels, plan.lr, plan.queries, steps)
+        self.opt_state = self.optimizer.apply(self.tensors, self.opt_state, delta, expected_square)
         self._sent_pi.clear()
         self._sent_momentum = None
 

@@ -38,12 +38,15 @@ class ServerOptimizer:
     beta2: float = 0.99
     tau: float = 1e-6
     granularity: str = "coordinate"
+    warm_start: bool = False  # block v starts from the energy a block's first round is expected to carry
 
     def __post_init__(self) -> None:
         if self.name not in SERVER_OPTIMIZERS:
             raise ValueError(f"unknown server optimizer {self.name!r}; choose one of {', '.join(SERVER_OPTIMIZERS)}")
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"unknown server optimizer granularity {self.granularity!r}; choose coordinate or block")
+        if self.warm_start and (self.name == "sgd" or self.granularity != "block"):
+            raise ValueError("a warm start needs a block-wise adaptive server optimizer (adam, yogi or amsgrad)")
 
     @property
     def downlink_modes(self) -> tuple[str, ...]:
@@ -60,8 +63,13 @@ class ServerOptimizer:
         return OptState(buffers=buffers)
 
     @torch.no_grad()
-    def apply(self, tensors: Sequence[torch.Tensor], state: OptState, delta: Sequence[torch.Tensor]) -> OptState:
-        """Move `tensors` in place by the pseudo-gradient `delta`; returns the next state."""
+    def apply(self, tensors: Sequence[torch.Tensor], state: OptState, delta: Sequence[torch.Tensor],
+              expected_square: Sequence[float] | None = None) -> OptState:
+        """Move `tensors` in place by the pseudo-gradient `delta`; returns the next state.
+
+        With `warm_start`, `expected_square` is each block's expected mean of d^2 this round: a block whose v
+        is still zero starts from one round's worth of it, (1 - beta2) E[d^2], so its first step is in
+        proportion to what its probes measured instead of a full-size sign step."""
         if self.name == "sgd":
             for t, d in zip(tensors, delta, strict=True):
                 t.add_(d, alpha=self.lr)
@@ -69,6 +77,10 @@ class ServerOptimizer:
         b = state.buffers
         for i, (t, d) in enumerate(zip(tensors, delta, strict=True)):
             m, v = b["m"][i], b["v"][i]
+            if self.warm_start and expected_square is not None and not v.any():
+                v.fill_((1 - self.beta2) * float(expected_square[i]))
+                if self.name == "amsgrad":
+                    b["vhat"][i].copy_(v)
             m.mul_(self.beta1).add_(d, alpha=1 - self.beta1)
             d2 = d * d if self.granularity == "coordinate" else (d * d).mean().reshape(1)
             if self.name == "yogi":

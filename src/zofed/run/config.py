@@ -109,13 +109,15 @@ class ServerOptimizerSection(_Section):
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.99, ge=0, lt=1)
     tau: float = Field(1e-6, gt=0)
+    warm_start: bool = False  # block-wise only: a block's v starts from its expected first-round energy
 
     def build(self, method: str) -> ServerOptimizer:
         default = METHOD_SERVER_DEFAULTS.get(method, METHOD_SERVER_DEFAULTS["zo-seeds"])
         name = self.name or default["name"]
         # An lr only has a meaning for the optimizer it was set for: sgd's 1.0 is not an adam step.
         lr = self.lr if self.lr is not None else (default["lr"] if name == default["name"] else SERVER_LR[name])
-        return ServerOptimizer(name, lr, self.beta1, self.beta2, self.tau, self.granularity or default["granularity"])
+        return ServerOptimizer(name, lr, self.beta1, self.beta2, self.tau, self.granularity or default["granularity"],
+                               self.warm_start)
 
 
 # Adaptive server steps move each coordinate by about lr a round. 3e-3 matches what the same forward passes
@@ -241,3 +243,31 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def dump_config(config: FinetuneConfig, path: Path) -> None:
     path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+
+
+# What a resumed run may change: where it lives, how long it goes on, and how it is evaluated in batches.
+RESUMABLE_CHANGES = frozenset({"out_dir", "train.steps", "federation.rounds", "train.eval_batch_size"})
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def check_resumed_config(config: FinetuneConfig, stored_path: Path) -> None:
+    """A resumed run must continue the run it finds: its stored config may differ only in RESUMABLE_CHANGES.
+    Anything else (another method, model, seed, learning rate) would mix two runs in one directory."""
+    if not stored_path.is_file():
+        raise ConfigError(f"{stored_path.parent} has a checkpoint but no config.yaml: cannot tell what run it holds")
+    stored = _flatten(load_config(stored_path, schema=type(config)).model_dump(mode="json"))
+    new = _flatten(config.model_dump(mode="json"))
+    changed = [f"{key} ({stored.get(key)!r} -> {new.get(key)!r})" for key in sorted(stored.keys() | new.keys())
+               if key not in RESUMABLE_CHANGES and stored.get(key) != new.get(key)]
+    if changed:
+        raise ConfigError(f"cannot resume {stored_path.parent}: its run was made with another config; "
+                          f"changed: {', '.join(changed)}")

@@ -31,7 +31,7 @@ from zofed.fl.first_order import FIRST_ORDER_METHODS, SERVER_OPTIMIZER_OF
 from zofed.fl.personal import BlockSampling
 from zofed.fl.roles import FederationPlan, ServerRole
 from zofed.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, write_atomic_text
-from zofed.run.config import ConfigError, FederatedConfig, dump_config
+from zofed.run.config import ConfigError, FederatedConfig, check_resumed_config, dump_config
 from zofed.run.finetune import Setup, build, eval_indices, save_final
 from zofed.run.metrics import MetricsLog
 from zofed.sim.engine import simulate
@@ -144,8 +144,10 @@ def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Conso
     server role."""
     console = console or Console()
     out = Path(config.out_dir)
-    if find_checkpoint(out / "checkpoint") is not None and not resume:
-        raise ConfigError(f"{out} already holds a run; pass --resume to continue it or choose another out_dir")
+    if find_checkpoint(out / "checkpoint") is not None:
+        if not resume:
+            raise ConfigError(f"{out} already holds a run; pass --resume to continue it or choose another out_dir")
+        check_resumed_config(config, out / "config.yaml")
     fed = config.federation
     first_order = fed.method in FIRST_ORDER_METHODS
     if not first_order and config.optimizer.name != "mezo":
@@ -154,6 +156,10 @@ def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Conso
     if first_order and fed.server_optimizer.name not in (None, SERVER_OPTIMIZER_OF[fed.method]):
         raise ConfigError(f"{fed.method} uses the {SERVER_OPTIMIZER_OF[fed.method]} server optimizer: set "
                           f"federation.server_optimizer.name={SERVER_OPTIMIZER_OF[fed.method]}")
+    try:
+        server_optimizer = fed.server_optimizer.build(fed.method)
+    except ValueError as err:
+        raise ConfigError(f"federation.server_optimizer: {err}") from None
     out.mkdir(parents=True, exist_ok=True)
     dump_config(config, out / "config.yaml")
     setup = build(config)
@@ -170,7 +176,7 @@ def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Conso
     plan = FederationPlan(method, len(splits), fed.clients_per_round, fed.local_steps, local_lr,
                           config.zo.eps, config.train.seed, config.zo.queries, config.train.batch_size,
                           config.zo.noise, fed.pool_size)
-    server = ServerRole(plan, setup.trainable.tensors(), setup.trainable.masks, fed.server_optimizer.build(fed.method),
+    server = ServerRole(plan, setup.trainable.tensors(), setup.trainable.masks, server_optimizer,
                         BlockSampling(fed.sampling.mix, fed.sampling.prior_weight, fed.sampling.tilt))
     metrics = MetricsLog(out / "metrics.jsonl")
     start_round = 0

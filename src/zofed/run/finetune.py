@@ -23,7 +23,7 @@ from zofed.data.tasks import Encoded, Task, make_task
 from zofed.models.registry import load_model
 from zofed.models.selection import TrainableParams, select_trainable
 from zofed.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, write_atomic_text
-from zofed.run.config import ConfigError, FinetuneConfig, dump_config
+from zofed.run.config import ConfigError, FinetuneConfig, check_resumed_config, dump_config
 from zofed.run.metrics import MetricsLog
 from zofed.zo.noise import derive_seed
 from zofed.zo.optim import OptState, learning_rate, make_optimizer
@@ -100,8 +100,10 @@ def finetune(config: FinetuneConfig, *, resume: bool = False, show_progress: boo
     """Run ZO fine-tuning as configured; returns the final results (also written to results.json)."""
     out = Path(config.out_dir)
     existing = find_checkpoint(out / "checkpoint")
-    if existing is not None and not resume:
-        raise ConfigError(f"{out} already holds a run; pass --resume to continue it or choose another out_dir")
+    if existing is not None:
+        if not resume:
+            raise ConfigError(f"{out} already holds a run; pass --resume to continue it or choose another out_dir")
+        check_resumed_config(config, out / "config.yaml")
     out.mkdir(parents=True, exist_ok=True)
     dump_config(config, out / "config.yaml")
     setup = setup or build(config)
