@@ -20,7 +20,6 @@ import json
 import multiprocessing
 import os
 import platform
-import resource
 import sys
 import time
 from collections.abc import Iterator
@@ -32,6 +31,7 @@ import torch
 from zofed.data.builtin import shared_data_dir
 from zofed.data.partition import client_splits
 from zofed.data.tasks import Encoded
+from zofed.fl.roles import peak_rss_mib
 from zofed.run.checkpoint import find_checkpoint, write_atomic_text
 from zofed.run.config import FederatedConfig, load_config
 from zofed.run.federated import per_client_accuracy, run_federated, worst_decile_mean
@@ -156,7 +156,7 @@ def _reference_row(method: str, config: FederatedConfig, dataset: str, alpha: fl
             "client_accuracy_worst10": round(worst_decile_mean(clients), 4),
             "bytes_up_per_client_round": 0.0, "bytes_down_per_client_round": 0.0, "rounds": 0,
             "clients": len(splits), "clients_per_round": 0, "local_steps": 0, "forward_passes": 2 * steps,
-            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "peak_rss_mib": peak_rss_mib(),
             "wall_seconds": round(time.perf_counter() - t0, 1), "run_dir": str(out.relative_to(ROOT))}
 
 

@@ -71,7 +71,12 @@ def round_record(plan: LocalTraining, sampled: list[int], inbox: RoundInbox, byt
             "train_loss": float(np.mean(losses)) if losses else float("nan"),
             "forward_passes": 2 * plan.queries * plan.local_steps * len(sampled) * (plan.round_id + 1),
             "round_seconds": round(seconds, 3),
-            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+            "peak_rss_mib": peak_rss_mib()}
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far (Linux reports KiB)."""
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 def sample_clients(run_seed: int, round_id: int, num_clients: int, per_round: int) -> list[int]:

@@ -19,7 +19,7 @@ from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 
 from zofed.fl.client import load_tensors_
-from zofed.fl.roles import round_record
+from zofed.fl.roles import peak_rss_mib, round_record
 from zofed.fl.server import RoundInbox
 from zofed.flower.messages import QUERY, TRAIN, error_reason, flower_nbytes, read_partition, read_uplink, train_content
 from zofed.run.federated import FederatedRun
@@ -142,7 +142,9 @@ def flower_round(grid: Grid, run: FederatedRun, round_id: int, client_node: dict
                               f"usable uplink, fewer than flower.min_clients={needed} ({reasons})")
     server.aggregate(plan, inbox)
     load_tensors_(run.setup.trainable.tensors(), server.tensors)  # the server's model evaluates and is saved
-    record["round_seconds"] = round(time.perf_counter() - t0, 3)  # the aggregate included, as in-process
+    # Time and peak memory with the aggregate included, as the in-process engine records them.
+    record["round_seconds"] = round(time.perf_counter() - t0, 3)
+    record["peak_rss_mib"] = peak_rss_mib()
     record.update(run.evaluate(round_id + 1))
     run.checkpoint(round_id + 1, server)
     return record
