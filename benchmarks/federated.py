@@ -289,7 +289,9 @@ def write_table(rows: list[dict]) -> None:
     groups = _groups(rows)
     lines = ["# Federated methods on one budget", "",
              f"SmolLM2-135M with a prompt and label words; ZO methods perturb the RMSNorm gains (35,136 values), "
-             f"FedAvg and FedAdam back-propagate into LoRA (r 8 on q and v, 460,800 values); 10 clients "
+             f"FedAvg and FedAdam back-propagate into LoRA (r 8 on q and v, 460,800 values). MiniLM-L6 rows put a "
+             f"new, randomly initialized classification head on the encoder and train it with the LayerNorm gains, "
+             f"by ZO or (FedAvg, FedAdam) back-propagation. 10 clients "
              f"(Dirichlet label skew), {CLIENTS_PER_ROUND} per round, {LOCAL_STEPS} local "
              f"steps of batch {BATCH}, {ROUNDS} rounds. Final accuracy is on the full test split; client accuracy on "
              "each client's own held-out 10%. Wall seconds cover the rounds, not the final evaluation; rows with "

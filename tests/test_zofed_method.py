@@ -186,6 +186,29 @@ def test_warm_start_sizes_a_blocks_first_step_by_what_its_probes_measured():
             ServerOptimizer(name, granularity=granularity, warm_start=True)
 
 
+def test_a_warm_started_server_round_moves_the_probed_blocks_by_less_than_full_steps():
+    """In a real round the server passes each probed block's expected energy to the optimizer: without a warm
+    start every moved block moves by about lr (rms over the block), with one by less, and the same blocks
+    move."""
+    ctx = toy_context()
+    plan = FederationPlan("zofed", 4, 2, 3, lr=1e-2, eps=1e-2, run_seed=5, batch_size=8)
+    moved = {}
+    for warm in (False, True):
+        server = ServerRole(plan, ctx.trainable.tensors(), ctx.trainable.masks,
+                            ServerOptimizer("adam", 1e-2, granularity="block", warm_start=warm))
+        round_plan, inbox = server.round_plan(0), RoundInbox()
+        for client in (0, 1):
+            uplink = ClientRole(ctx).train(server.downlink(round_plan, client), client, toy_clients()[client], 0)
+            server.receive(inbox, round_plan, client, uplink)
+        start = [t.clone() for t in server.tensors]
+        server.aggregate(round_plan, inbox)
+        moved[warm] = np.array([float((t - s).square().mean().sqrt()) for t, s in zip(server.tensors, start,
+                                                                                       strict=True)])
+    assert ((moved[False] > 0) == (moved[True] > 0)).all() and (moved[False] > 0).sum() >= 2
+    assert np.allclose(moved[False][moved[False] > 0], 1e-2, rtol=0.03)  # tau trims a little
+    assert (moved[True] <= 1e-2 * (1 + 1e-3)).all() and moved[True].sum() < 0.95 * moved[False].sum()
+
+
 def test_momentum_tilted_steps_are_rebuilt_exactly_from_the_momentum_sent():
     ctx = toy_context()
     plan = FederationPlan("zofed", 6, 2, 3, lr=1e-2, eps=1e-2, run_seed=3, batch_size=8)
