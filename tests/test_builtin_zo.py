@@ -60,6 +60,13 @@ def test_smollm2_all_parameters_perturb_and_restore_exactly(smollm2):
 
 def test_minilm_encoder_takes_a_zo_step(all_threads):
     loaded = load_model("minilm-l6", kind="encoder", num_labels=3)
+    # The fresh head is the same on every load (federated parties, reruns) and leaves the global RNG alone.
+    rng_before = torch.random.get_rng_state()
+    again = load_model("minilm-l6", kind="encoder", num_labels=3)
+    assert torch.equal(torch.random.get_rng_state(), rng_before)
+    assert torch.equal(loaded.model.classifier.weight, again.model.classifier.weight)
+    other = load_model("minilm-l6", kind="encoder", num_labels=3, head_seed=1)
+    assert not torch.equal(loaded.model.classifier.weight, other.model.classifier.weight)
     model, trainable = select_trainable(loaded.model, TrainableConfig(mode="all"))
     task = make_task(TaskConfig(type="encoder-classification"), loaded.tokenizer, 3)
     batch = task.collate(task.encode(TWEETS), [0, 1, 2, 3])

@@ -117,11 +117,13 @@ def resolve_model_dir(name: str) -> Path:
     return _hub_snapshot(name)
 
 
-def load_model(name: str, kind: str | None = None, num_labels: int | None = None) -> LoadedModel:
+def load_model(name: str, kind: str | None = None, num_labels: int | None = None,
+               head_seed: int = 0) -> LoadedModel:
     """Load `name` as a causal LM or as an encoder with a fresh `num_labels`-way classification head.
 
     `kind` defaults to the built-in's kind, else "causal-lm". `num_labels` is required for "encoder" and
-    ignored for "causal-lm".
+    ignored for "causal-lm". The fresh head is drawn from `head_seed`, so every load (each federated party,
+    each rerun) starts from the same head.
     """
     builtin = BUILTIN_MODELS.get(name)
     if kind is None:
@@ -141,9 +143,12 @@ def load_model(name: str, kind: str | None = None, num_labels: int | None = None
         if kind == CAUSAL_LM:
             model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
         else:
-            model = AutoModelForSequenceClassification.from_pretrained(
-                source, num_labels=num_labels, dtype=torch.float32
-            )
+            # The new head's weights come from the global RNG: a fixed seed in a forked stream.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(head_seed)
+                model = AutoModelForSequenceClassification.from_pretrained(
+                    source, num_labels=num_labels, dtype=torch.float32
+                )
     # OSError: missing/unreadable weight or tokenizer files; ValueError: an architecture or tokenizer this
     # transformers version does not know. Chained, so the original traceback stays visible.
     except (OSError, ValueError) as error:

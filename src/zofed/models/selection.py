@@ -28,7 +28,7 @@ class TrainableConfig(BaseModel):
     lora_r: int = Field(8, ge=1)
     lora_alpha: int = Field(16, ge=1)
     lora_targets: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"])
-    init_seed: int = 0  # seeds LoRA's random init, so every party (and every rerun) starts from the same adapters
+    init_seed: int = 0  # seeds LoRA's and a new classifier head's random init: every party and rerun starts alike
     magnitude_fraction: float = Field(0.1, gt=0.0, le=1.0)
     magnitude_keep: Literal["largest", "smallest"] = "largest"
 

@@ -72,7 +72,8 @@ def build(config: FinetuneConfig) -> Setup:
     train, test = load_splits(config)
     num_classes = len(train.label_names) if train.label_names else None
     kind = config.model.kind or ("encoder" if config.task.type == "encoder-classification" else "causal-lm")
-    loaded = load_model(config.model.name, kind=kind, num_labels=num_classes if kind == "encoder" else None)
+    loaded = load_model(config.model.name, kind=kind, num_labels=num_classes if kind == "encoder" else None,
+                        head_seed=config.trainable.init_seed)
     model, trainable = select_trainable(loaded.model, config.trainable)
     model.eval()
     task = make_task(config.task, loaded.tokenizer, num_classes)
