@@ -231,7 +231,9 @@ BUDGET_NOTE = [
     "alpha 0.1. More seeds would narrow the spread, which with 1-2 seeds is as large as several of the gaps. "
     "LoRA for the ZO methods (as for FedAvg here) would give them more capacity, at the same uplink. The full "
     "test splits are used at the end whatever the budget, so the final accuracies are comparable across "
-    "budgets.", ""]
+    "budgets. MiniLM-L6 starts from a random classification head: at this budget no method, first-order "
+    "included, moves it far from chance on SST-2, so its rows show the harness on an encoder rather than rank "
+    "the methods; it needs a head trained first or thousands of steps.", ""]
 
 
 def _paired(by: dict[str, list[dict]], other: str) -> tuple[list[int], float, float]:
