@@ -110,7 +110,7 @@ def row_from_results(method: str, dataset: str, alpha: float, seed: int, config:
             "rounds": fed.rounds, "clients": fed.partition.num_clients, "clients_per_round": fed.clients_per_round,
             "local_steps": fed.local_steps, "forward_passes": results["forward_passes"],
             "peak_rss_mib": _peak(out), "eval_curve": _eval_curve(out),
-            "wall_seconds": round(results["seconds_this_sitting"], 1), "run_dir": str(out.relative_to(ROOT))}
+            "wall_seconds": _round_seconds(out), "run_dir": str(out.relative_to(ROOT))}
 
 
 def _row_process(method: str, dataset: str, alpha: float, seed: int, model: str, threads: int) -> dict:
@@ -164,6 +164,12 @@ def _eval_curve(out: Path) -> list[list[float]]:
     """[round, accuracy on the fixed test subset] at every evaluated round."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [[r["round"], r["eval_accuracy"]] for r in rows if r.get("event") == "round" and "eval_accuracy" in r]
+
+
+def _round_seconds(out: Path) -> float:
+    """Seconds of all the run's rounds, also those of earlier sittings when the row was resumed."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return round(sum(r["round_seconds"] for r in rows if r.get("event") == "round"), 1)
 
 
 def _peak(out: Path) -> float:
@@ -296,7 +302,9 @@ def write_table(rows: list[dict]) -> None:
              f"by ZO or (FedAvg, FedAdam) back-propagation. 10 clients "
              f"(Dirichlet label skew), {CLIENTS_PER_ROUND} per round, {LOCAL_STEPS} local "
              f"steps of batch {BATCH}, {ROUNDS} rounds. Final accuracy is on the full test split; client accuracy on "
-             "each client's own held-out 10%. Wall seconds cover the rounds, not the final evaluation; rows with "
+             "each client's own held-out 10%. Wall seconds sum the rounds' own seconds from the run's metrics (all "
+             "sittings of a resumed row), not the evaluations; 13 early rows whose run directories are gone "
+             "keep the older measure, which also counted the subset evaluations (about 8% more). Rows with "
              "`torch_threads: 1` in the JSON ran two at a time, one thread each (`--jobs 2 --threads 1`): each takes "
              "about 1.6 times as long as one row alone on both cores, so a pair finishes about 1.25 times sooner "
              "than two rows in turn. The seed-0 rows "
