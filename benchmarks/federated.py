@@ -36,6 +36,7 @@ from zofed.run.checkpoint import find_checkpoint, write_atomic_text
 from zofed.run.config import FederatedConfig, load_config
 from zofed.run.federated import per_client_accuracy, run_federated, worst_decile_mean
 from zofed.run.finetune import build, finetune
+from zofed.run.metrics import MetricsLog
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
@@ -160,21 +161,23 @@ def _reference_row(method: str, config: FederatedConfig, dataset: str, alpha: fl
             "wall_seconds": round(time.perf_counter() - t0, 1), "run_dir": str(out.relative_to(ROOT))}
 
 
+def _rounds(out: Path) -> list[dict]:
+    """The run's round records (every sitting of a resumed run)."""
+    return [r for r in MetricsLog(out / "metrics.jsonl").read() if r.get("event") == "round"]
+
+
 def _eval_curve(out: Path) -> list[list[float]]:
     """[round, accuracy on the fixed test subset] at every evaluated round."""
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [[r["round"], r["eval_accuracy"]] for r in rows if r.get("event") == "round" and "eval_accuracy" in r]
+    return [[r["round"], r["eval_accuracy"]] for r in _rounds(out) if "eval_accuracy" in r]
 
 
 def _round_seconds(out: Path) -> float:
     """Seconds of all the run's rounds, also those of earlier sittings when the row was resumed."""
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return round(sum(r["round_seconds"] for r in rows if r.get("event") == "round"), 1)
+    return round(sum(r["round_seconds"] for r in _rounds(out)), 1)
 
 
 def _peak(out: Path) -> float:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return max(r.get("peak_rss_mib", 0.0) for r in rows)
+    return max(r.get("peak_rss_mib", 0.0) for r in MetricsLog(out / "metrics.jsonl").read())
 
 
 ORDER = REFERENCES + METHODS

@@ -98,6 +98,7 @@ class ServerRole:
         self.opt_state = self.optimizer.init(self.tensors)
         self.sampling = sampling or BlockSampling()
         self.sizes = block_sizes(self.tensors, masks)
+        self.numels = np.asarray([t.numel() for t in self.tensors], dtype=np.float64)
         self.stats = BlockStats.zeros(plan.num_clients, len(self.tensors))
         self.num_trainable = sum(t.numel() for t in self.tensors)
         if self.sampling.tilt and "m" not in self.opt_state.buffers:
@@ -150,9 +151,8 @@ class ServerRole:
                 total = sum(u.num_examples for u in inbox.accepted)
                 steps = [(u.num_examples / total, pis[u.client_id][b], b)
                          for u in inbox.accepted for b in probes[u.client_id][0]]
-                numels = np.asarray([t.numel() for t in self.tensors], dtype=np.float64)
                 expected_square = expected_update_square(global_energy(self.stats, self.sizes, self.sampling),
-                                                         self.sizes, numels, plan.lr, plan.queries, steps)
+                                                         self.sizes, self.numels, plan.lr, plan.queries, steps)
         self.opt_state = self.optimizer.apply(self.tensors, self.opt_state, delta, expected_square)
         self._sent_pi.clear()
         self._sent_momentum = None
