@@ -61,6 +61,9 @@ def test_federated_config_errors(tiny_workspace, tmp_path):
     with pytest.raises(ConfigError, match="warm start needs a block-wise adaptive"):
         run_federated(_config(tiny_workspace, tmp_path / "w", "federation.method=zo-seeds",
                               "federation.server_optimizer.warm_start=true"), show_progress=False)
+    with pytest.raises(ConfigError, match="relative steps need an adaptive"):
+        run_federated(_config(tiny_workspace, tmp_path / "rel", "federation.method=zo-seeds",
+                              "federation.server_optimizer.relative=true"), show_progress=False)
 
 
 def test_cli_run_and_a_partition_that_cannot_be_made(tiny_workspace, tmp_path):

@@ -186,6 +186,23 @@ def test_warm_start_sizes_a_blocks_first_step_by_what_its_probes_measured():
             ServerOptimizer(name, granularity=granularity, warm_start=True)
 
 
+def test_relative_steps_move_each_tensor_in_proportion_to_its_own_scale():
+    """With relative steps a block-wise adam step moves a tensor of RMS 0.02 fifty times less than one of RMS 1
+    (without, both by lr); an all-zero tensor moves by lr, and sgd refuses the option."""
+    d = [torch.tensor([1.0, -1.0, 1.0, -1.0])] * 3
+    moved = {}
+    for relative in (False, True):
+        opt = ServerOptimizer("adam", lr=1e-2, granularity="block", relative=relative)
+        t = [torch.full((4,), 1.0), torch.full((4,), 0.02), torch.zeros(4)]
+        start = [x.clone() for x in t]
+        opt.apply(t, opt.init(t), d)
+        moved[relative] = [float((x - s).abs().mean()) for x, s in zip(t, start, strict=True)]
+    assert moved[False] == pytest.approx([1e-2] * 3, rel=1e-3)
+    assert moved[True] == pytest.approx([1e-2, 2e-4, 1e-2], rel=1e-3)
+    with pytest.raises(ValueError, match="relative steps need an adaptive"):
+        ServerOptimizer("sgd", relative=True)
+
+
 def test_a_warm_started_server_round_moves_the_probed_blocks_by_less_than_full_steps():
     """In a real round the server passes each probed block's expected energy to the optimizer: without a warm
     start every moved block moves by about lr (rms over the block), with one by less, and the same blocks

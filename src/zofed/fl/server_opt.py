@@ -12,6 +12,10 @@ block's step size, which suits ZO pseudo-gradients (noise spread evenly over a b
 division would turn into sign noise), and the state to send to clients is one number per block.
 `sgd` is x <- x + lr d (lr 1 is plain averaging of the updates).
 
+`relative=True` multiplies each tensor's step by its own root mean square before the step (a layer-wise trust
+ratio, as in LAMB): lr becomes a relative step, so a small-valued tensor (a freshly drawn classifier head,
+std 0.02) is not moved as far as a unit-scale gain. A tensor that is all zeros moves by lr, as if absolute.
+
 Downlink modes: every optimizer can send new weights; only `sgd` can send an update log (seeds and
 coefficients a client replays), because only its step is a linear combination of the clients' directions.
 """
@@ -39,6 +43,7 @@ class ServerOptimizer:
     tau: float = 1e-6
     granularity: str = "coordinate"
     warm_start: bool = False  # block v starts from the energy a block's first round is expected to carry
+    relative: bool = False  # each tensor's step is scaled by its own RMS (adam, yogi, amsgrad)
 
     def __post_init__(self) -> None:
         if self.name not in SERVER_OPTIMIZERS:
@@ -47,6 +52,8 @@ class ServerOptimizer:
             raise ValueError(f"unknown server optimizer granularity {self.granularity!r}; choose coordinate or block")
         if self.warm_start and (self.name == "sgd" or self.granularity != "block"):
             raise ValueError("a warm start needs a block-wise adaptive server optimizer (adam, yogi or amsgrad)")
+        if self.relative and self.name == "sgd":
+            raise ValueError("relative steps need an adaptive server optimizer (adam, yogi or amsgrad), not sgd")
 
     @property
     def downlink_modes(self) -> tuple[str, ...]:
@@ -90,8 +97,15 @@ class ServerOptimizer:
             denom = v
             if self.name == "amsgrad":
                 denom = torch.maximum(b["vhat"][i], v, out=b["vhat"][i])
-            t.addcdiv_(m, denom.sqrt().add(self.tau), value=self.lr)
+            t.addcdiv_(m, denom.sqrt().add(self.tau), value=self.lr * self._trust(t))
         return replace(state, step=state.step + 1)
+
+    def _trust(self, tensor: torch.Tensor) -> float:
+        """The factor on this tensor's step: its RMS when steps are relative (1 for an all-zero tensor)."""
+        if not self.relative:
+            return 1.0
+        rms = float(tensor.double().pow(2).mean().sqrt())
+        return rms if rms > 0 else 1.0
 
     def block_state(self, state: OptState) -> np.ndarray:
         """The per-block second moments (block granularity): small enough to send to every client."""

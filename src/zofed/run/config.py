@@ -110,6 +110,7 @@ class ServerOptimizerSection(_Section):
     beta2: float = Field(0.99, ge=0, lt=1)
     tau: float = Field(1e-6, gt=0)
     warm_start: bool = False  # block-wise only: a block's v starts from its expected first-round energy
+    relative: bool = False  # adaptive only: each tensor's step is lr times its own RMS (a LAMB-style trust ratio)
 
     def build(self, method: str) -> ServerOptimizer:
         default = METHOD_SERVER_DEFAULTS.get(method, METHOD_SERVER_DEFAULTS["zo-seeds"])
@@ -117,7 +118,7 @@ class ServerOptimizerSection(_Section):
         # An lr only has a meaning for the optimizer it was set for: sgd's 1.0 is not an adam step.
         lr = self.lr if self.lr is not None else (default["lr"] if name == default["name"] else SERVER_LR[name])
         return ServerOptimizer(name, lr, self.beta1, self.beta2, self.tau, self.granularity or default["granularity"],
-                               self.warm_start)
+                               self.warm_start, self.relative)
 
 
 # Adaptive server steps move each coordinate by about lr a round. 3e-3 matches what the same forward passes
