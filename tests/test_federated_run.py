@@ -10,7 +10,7 @@ from toy_federation import tiny_federated_config
 from typer.testing import CliRunner
 
 from zofed.cli import app
-from zofed.run.config import ConfigError, dump_config
+from zofed.run.config import ConfigError, ServerOptimizerSection, dump_config
 from zofed.run.federated import run_federated, worst_decile_mean
 
 _config = tiny_federated_config
@@ -107,3 +107,16 @@ def test_first_order_methods_name_their_server_optimizer(tiny_workspace, tmp_pat
     results = run_federated(_config(tiny_workspace, tmp_path / "a", "federation.method=fedadam",
                                     "federation.server_optimizer.lr=0.01", "federation.rounds=1"), show_progress=False)
     assert results["method"] == "fedadam" and results["bytes_up_per_client_round"] > 1000
+
+
+def test_zofed_defaults_to_relative_block_adam_and_other_choices_do_not_inherit_it():
+    """zofed's server step is relative by default; an optimizer the user names instead takes its own absolute lr,
+    and an explicit relative=false wins."""
+    zofed = ServerOptimizerSection().build("zofed")
+    assert (zofed.name, zofed.granularity, zofed.relative, zofed.lr) == ("adam", "block", True, 1e-2)
+    yogi = ServerOptimizerSection(name="yogi").build("zofed")
+    assert not yogi.relative and yogi.lr == 3e-3
+    absolute = ServerOptimizerSection(relative=False).build("zofed")
+    assert not absolute.relative and absolute.lr == 3e-3
+    assert not ServerOptimizerSection().build("zo-seeds").relative
+    assert not ServerOptimizerSection().build("fedadam").relative
