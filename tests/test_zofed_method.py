@@ -107,11 +107,12 @@ def test_uplink_bytes_do_not_depend_on_the_model():
 
 @pytest.mark.parametrize("name", ["adam", "yogi", "amsgrad"])
 @pytest.mark.parametrize("granularity", ["coordinate", "block"])
-def test_server_optimizer_state_restores_to_a_bit_identical_continuation(name, granularity):
-    opt = ServerOptimizer(name, lr=0.1, granularity=granularity)
+@pytest.mark.parametrize("relative", [False, True])
+def test_server_optimizer_state_restores_to_a_bit_identical_continuation(name, granularity, relative):
+    opt = ServerOptimizer(name, lr=0.1, granularity=granularity, relative=relative)
     gen = torch.Generator().manual_seed(0)
     deltas = [[torch.randn(5, generator=gen), torch.randn(3, 2, generator=gen)] for _ in range(4)]
-    a = [torch.zeros(5), torch.zeros(3, 2)]
+    a = [torch.ones(5), torch.full((3, 2), 0.05)]
     state = opt.init(a)
     for d in deltas[:2]:
         state = opt.apply(a, state, d)
