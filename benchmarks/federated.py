@@ -309,7 +309,7 @@ def write_table(rows: list[dict]) -> None:
              f"(Dirichlet label skew), {CLIENTS_PER_ROUND} per round, {LOCAL_STEPS} local "
              f"steps of batch {BATCH}, {ROUNDS} rounds. Final accuracy is on the full test split; client accuracy on "
              "each client's own held-out 10%. Wall seconds sum the rounds' own seconds from the run's metrics (all "
-             "sittings of a resumed row), not the evaluations; 13 early rows whose run directories are gone "
+             "sittings of a resumed row), not the evaluations; 8 early rows whose run directories are gone "
              "keep the older measure, which also counted the subset evaluations (about 8% more). Rows with "
              "`torch_threads: 1` in the JSON ran two at a time, one thread each (`--jobs 2 --threads 1`): each takes "
              "about 1.6 times as long as one row alone on both cores, so a pair finishes about 1.25 times sooner "
