@@ -119,16 +119,18 @@ def _row_process(method: str, dataset: str, alpha: float, seed: int, model: str,
     return {**run_row(method, dataset, alpha, seed, model), "peak_rss_scope": "row", "torch_threads": threads}
 
 
-def run_rows(pending: list[tuple], jobs: int, threads: int) -> Iterator[tuple[str, dict]]:
-    """Yield (key, row) as rows finish. Every row runs in a fresh process, so its peak RSS is its own and not the
-    heaviest earlier row's; `jobs` rows run at once."""
+def run_rows(pending: list[tuple], jobs: int, threads: int) -> Iterator[tuple[str, dict | BaseException]]:
+    """Yield (key, row) as rows finish, or (key, the exception) for a row that failed: one bad row must not stop
+    the others. Every row runs in a fresh process, so its peak RSS is its own and not the heaviest earlier row's;
+    `jobs` rows run at once."""
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(jobs, mp_context=context, max_tasks_per_child=1) as pool:
         futures = {pool.submit(_row_process, *args, threads): row_key(*args) for args in pending}
         for future in as_completed(futures):
-            yield futures[future], future.result()
+            error = future.exception()
+            yield futures[future], error if error is not None else future.result()
 
 
 def _reference_row(method: str, config: FederatedConfig, dataset: str, alpha: float, seed: int, out: Path) -> dict:
@@ -371,11 +373,18 @@ def main() -> None:
                if row_key(method, dataset, alpha, seed, args.model) not in table["rows"]
                and not (method == "zero-shot" and seed != args.seeds[0])]
     print(f"{len(pending)} rows to run, {args.jobs} at a time", flush=True)
+    failed = []
     for key, row in run_rows(pending, args.jobs, args.threads):
+        if isinstance(row, BaseException):
+            failed.append(key)
+            print(f"row {key} failed, the others go on: {type(row).__name__}: {row}", file=sys.stderr, flush=True)
+            continue
         table["rows"][key] = row
         write_atomic_text(path, json.dumps(table, indent=2))
         write_table(list(table["rows"].values()))
         print(json.dumps({k: v for k, v in row.items() if k != "eval_curve"}), flush=True)
+    if failed:
+        sys.exit(f"{len(failed)} of {len(pending)} rows failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,23 @@ def test_resume_refuses_a_run_made_with_another_config(tiny_workspace, tmp_path)
     assert "method: zofed" in (out / "config.yaml").read_text()  # the stored config is left as it was
 
 
+def test_resume_compares_the_server_optimizer_as_it_will_run(tiny_workspace, tmp_path):
+    """A stored config that spells out a method default (`relative: false` for zo-seeds' sgd) continues under a new
+    one that leaves it unset; a default that really changes the run is refused."""
+    out = tmp_path / "run"
+    run_federated(_config(tiny_workspace, out, "federation.method=zo-seeds", "federation.rounds=1"),
+                  show_progress=False)
+    stored = (out / "config.yaml").read_text()
+    assert "relative: null" in stored
+    (out / "config.yaml").write_text(stored.replace("relative: null", "relative: false"))
+    results = run_federated(_config(tiny_workspace, out, "federation.method=zo-seeds", "federation.rounds=2"),
+                            resume=True, show_progress=False)
+    assert results["rounds"] == 2
+    with pytest.raises(ConfigError, match=r"federation.server_optimizer.lr \(1.0 -> 0.5\)"):
+        run_federated(_config(tiny_workspace, out, "federation.method=zo-seeds", "federation.rounds=3",
+                              "federation.server_optimizer.lr=0.5"), resume=True, show_progress=False)
+
+
 def test_federated_config_errors(tiny_workspace, tmp_path):
     with pytest.raises(ConfigError, match="federation.method"):
         _config(tiny_workspace, tmp_path, "federation.method=fedsomething")

@@ -6,6 +6,7 @@ to a default.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
@@ -265,13 +266,25 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def _resolved_view(config: FinetuneConfig) -> dict[str, Any]:
+    """The config as flat keys, with the server optimizer as it will run: an unset field and the method default it
+    resolves to are the same run (a stored `relative: false` and a new unset one both mean sgd's absolute steps)."""
+    flat = _flatten(config.model_dump(mode="json"))
+    if isinstance(config, FederatedConfig):
+        prefix = "federation.server_optimizer."
+        flat = {k: v for k, v in flat.items() if not k.startswith(prefix)}
+        resolved = config.federation.server_optimizer.build(config.federation.method)
+        flat.update({prefix + k: v for k, v in dataclasses.asdict(resolved).items()})
+    return flat
+
+
 def check_resumed_config(config: FinetuneConfig, stored_path: Path) -> None:
     """A resumed run must continue the run it finds: its stored config may differ only in RESUMABLE_CHANGES.
     Anything else (another method, model, seed, learning rate) would mix two runs in one directory."""
     if not stored_path.is_file():
         raise ConfigError(f"{stored_path.parent} has a checkpoint but no config.yaml: cannot tell what run it holds")
-    stored = _flatten(load_config(stored_path, schema=type(config)).model_dump(mode="json"))
-    new = _flatten(config.model_dump(mode="json"))
+    stored = _resolved_view(load_config(stored_path, schema=type(config)))
+    new = _resolved_view(config)
     changed = [f"{key} ({stored.get(key)!r} -> {new.get(key)!r})" for key in sorted(stored.keys() | new.keys())
                if key not in RESUMABLE_CHANGES and stored.get(key) != new.get(key)]
     if changed:
