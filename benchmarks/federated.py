@@ -41,8 +41,11 @@ from zofed.run.metrics import MetricsLog
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 # zofed and its ablations first; "zofed without either" is exactly zo-seeds (same seeds, sgd lr 1 on the server).
-METHODS = ["zofed", "zofed-no-personal", "zofed-no-momentum", "zo-seeds", "decomfl", "fedkseed", "fedmezo", "fedavg",
-           "fedadam"]
+# zofed-size-blocks keeps zofed's one-block steps but draws the block in proportion to its size, the same for every
+# client: against zofed it prices the personal distribution, against zofed-no-personal (dense steps) the one-block
+# steps themselves.
+METHODS = ["zofed", "zofed-size-blocks", "zofed-no-personal", "zofed-no-momentum", "zo-seeds", "decomfl", "fedkseed",
+           "fedmezo", "fedavg", "fedadam"]
 REFERENCES = ["zero-shot", "centralized-mezo"]
 # The prompt is one line: the label word follows "Sentiment:" after a space.
 TASKS = {
@@ -57,7 +60,8 @@ BUDGET = [f"federation.rounds={ROUNDS}", f"federation.clients_per_round={CLIENTS
           "federation.partition.test_fraction=0.1", f"train.batch_size={BATCH}", "data.eval_examples=100",
           "federation.eval_every=5", "task.max_length=64", "train.eval_batch_size=32"]
 METHOD_SETTINGS = {
-    "zofed": [], "zofed-no-personal": ["federation.sampling.personalize=false"],
+    "zofed": [], "zofed-size-blocks": ["federation.sampling.mix=1.0"],
+    "zofed-no-personal": ["federation.sampling.personalize=false"],
     "zofed-no-momentum": ["federation.server_optimizer.name=sgd"],
     "zo-seeds": [], "decomfl": [], "fedkseed": ["federation.pool_size=64"], "fedmezo": [],
     "fedavg": ["federation.server_optimizer.name=sgd"],
@@ -77,8 +81,13 @@ def row_key(method: str, dataset: str, alpha: float, seed: int, model: str) -> s
     return f"{method}|{dataset}|{alpha}|{seed}|{model}"
 
 
+def _base_method(method: str) -> str:
+    """The federation.method a benchmark row runs: its ablations are zofed with settings changed."""
+    return "zofed" if method.startswith("zofed") else method
+
+
 def _config(method: str, dataset: str, alpha: float, seed: int, out: Path, model: str) -> FederatedConfig:
-    settings = METHOD_SETTINGS.get(method, []) + ([f"federation.method={method.split('-no-')[0]}"]
+    settings = METHOD_SETTINGS.get(method, []) + ([f"federation.method={_base_method(method)}"]
                                                   if method in METHODS else [])
     task = TASKS[dataset] if model == "smollm2-135m" else []
     if method in ("fedavg", "fedadam") and model == "smollm2-135m":
@@ -336,7 +345,10 @@ def write_table(rows: list[dict]) -> None:
                   "back-propagating) shows that one's peak. Newer rows run in their own process."]
     lines += ["", *target_lines(rows), *target_lines(rows, 1.0), *BUDGET_NOTE]
     figures = write_figures(rows)
-    lines += ["", "`zofed-no-personal`: zofed with `federation.sampling.personalize=false`; `zofed-no-momentum`: with "
+    lines += ["", "`zofed-size-blocks`: zofed with `federation.sampling.mix=1.0` (one-block steps drawn in "
+              "proportion to block size, the same for every client); "
+              "`zofed-no-personal`: zofed with `federation.sampling.personalize=false` (dense steps); "
+              "`zofed-no-momentum`: with "
               "`federation.server_optimizer.name=sgd`; zofed without either is exactly `zo-seeds`. Zero-shot and "
               "centralized MeZO (same forward passes as one federated ZO run, on the pooled client data) are "
               "references, not federated.", ""]
