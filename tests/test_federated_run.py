@@ -66,6 +66,9 @@ def test_resume_compares_the_server_optimizer_as_it_will_run(tiny_workspace, tmp
     with pytest.raises(ConfigError, match=r"federation.server_optimizer.lr \(1.0 -> 0.5\)"):
         run_federated(_config(tiny_workspace, out, "federation.method=zo-seeds", "federation.rounds=3",
                               "federation.server_optimizer.lr=0.5"), resume=True, show_progress=False)
+    with pytest.raises(ConfigError, match="federation.server_optimizer: relative steps need an adaptive"):
+        run_federated(_config(tiny_workspace, out, "federation.method=zo-seeds", "federation.rounds=3",
+                              "federation.server_optimizer.relative=true"), resume=True, show_progress=False)
 
 
 def test_federated_config_errors(tiny_workspace, tmp_path):

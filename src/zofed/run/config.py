@@ -273,7 +273,10 @@ def _resolved_view(config: FinetuneConfig) -> dict[str, Any]:
     if isinstance(config, FederatedConfig):
         prefix = "federation.server_optimizer."
         flat = {k: v for k, v in flat.items() if not k.startswith(prefix)}
-        resolved = config.federation.server_optimizer.build(config.federation.method)
+        try:
+            resolved = config.federation.server_optimizer.build(config.federation.method)
+        except ValueError as err:
+            raise ConfigError(f"federation.server_optimizer: {err}") from None
         flat.update({prefix + k: v for k, v in dataclasses.asdict(resolved).items()})
     return flat
 
