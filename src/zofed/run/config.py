@@ -122,8 +122,11 @@ class ServerOptimizerSection(_Section):
         # step an absolute one.
         same_step = name == default["name"] and relative == default["relative"]
         lr = self.lr if self.lr is not None else (default["lr"] if same_step else SERVER_LR[name])
-        return ServerOptimizer(name, lr, self.beta1, self.beta2, self.tau, self.granularity or default["granularity"],
-                               self.warm_start, relative)
+        try:
+            return ServerOptimizer(name, lr, self.beta1, self.beta2, self.tau,
+                                   self.granularity or default["granularity"], self.warm_start, relative)
+        except ValueError as err:  # settings that are each valid but do not go together
+            raise ConfigError(f"federation.server_optimizer: {err}") from None
 
 
 # Adaptive server steps move each coordinate by about lr a round. 3e-3 matches what the same forward passes
@@ -273,10 +276,7 @@ def _resolved_view(config: FinetuneConfig) -> dict[str, Any]:
     if isinstance(config, FederatedConfig):
         prefix = "federation.server_optimizer."
         flat = {k: v for k, v in flat.items() if not k.startswith(prefix)}
-        try:
-            resolved = config.federation.server_optimizer.build(config.federation.method)
-        except ValueError as err:
-            raise ConfigError(f"federation.server_optimizer: {err}") from None
+        resolved = config.federation.server_optimizer.build(config.federation.method)
         flat.update({prefix + k: v for k, v in dataclasses.asdict(resolved).items()})
     return flat
 
