@@ -2,13 +2,21 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test lint bench-zo-step bench-centralized bench-scale bench-federated bench-flower
+.PHONY: setup demo demo-centralized test lint bench-zo-step bench-centralized bench-scale bench-federated bench-flower bench-client-memory
 
 setup:
 	@bash scripts/setup_env.sh
 
+DEMO_OUT := runs/demo-$(shell date +%Y%m%d-%H%M%S)
+
+# The main job: a federated zofed run on the built-in model and data, then its plots.
 demo: setup
-	$(VENV)/bin/zofed finetune --config configs/demo.yaml --out runs/demo-$$(date +%Y%m%d-%H%M%S) $(ARGS)
+	$(VENV)/bin/zofed run configs/federated_demo.yaml --out $(DEMO_OUT) $(ARGS)
+	$(VENV)/bin/zofed report $(DEMO_OUT) --out $(DEMO_OUT)/report
+
+# Centralized ZO fine-tuning of the same model on the same data.
+demo-centralized: setup
+	$(VENV)/bin/zofed finetune --config configs/demo.yaml --out runs/demo-centralized-$$(date +%Y%m%d-%H%M%S) $(ARGS)
 
 test: setup
 	$(VENV)/bin/ruff check src tests benchmarks
@@ -31,3 +39,6 @@ bench-federated: setup
 
 bench-flower: setup
 	$(PY) benchmarks/flower.py
+
+bench-client-memory: setup
+	$(PY) benchmarks/client_memory.py

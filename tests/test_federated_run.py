@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from zofed.cli import app
 from zofed.run.config import ConfigError, ServerOptimizerSection, dump_config
 from zofed.run.federated import run_federated, worst_decile_mean
+from zofed.run.report import load_run_summary
 
 _config = tiny_federated_config
 
@@ -19,12 +20,15 @@ _config = tiny_federated_config
 def test_run_writes_round_metrics_csv_partition_and_results(tiny_workspace, tmp_path):
     out = tmp_path / "run"
     results = run_federated(_config(tiny_workspace, out), show_progress=False)
-    rounds = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rounds] == [1, 2, 3]
+    start, *rounds = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert (start["event"], start["round"]) == ("eval", 0)  # the starting model, before any round
+    assert [r["event"] for r in rounds] == ["round"] * 3 and [r["round"] for r in rounds] == [1, 2, 3]
     assert all(r["accepted"] == 2 and 0 < r["bytes_up_per_client"] < 400 for r in rounds)
     assert all("eval_accuracy" in r and r["peak_rss_mib"] > 0 for r in rounds)
+    assert results["eval_accuracy_start"] == start["eval_accuracy"]
+    assert results["eval_accuracy_final"] == rounds[-1]["eval_accuracy"]
     with (out / "metrics.csv").open() as f:
-        assert len(list(csv.DictReader(f))) == 3
+        assert len(list(csv.DictReader(f))) == 4
     assert (out / "partition.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(json.loads((out / "partition.json").read_text())["clients"]) == 4
     assert 0.0 <= results["client_accuracy_worst10"] <= results["client_accuracy_mean"] <= 1.0
@@ -34,11 +38,18 @@ def test_run_writes_round_metrics_csv_partition_and_results(tiny_workspace, tmp_
 
 def test_resumed_federated_run_ends_bit_identical(tiny_workspace, tmp_path):
     run_federated(_config(tiny_workspace, tmp_path / "whole"), show_progress=False)
+    # A first sitting that died before its first checkpoint left a record behind: a fresh start drops it.
+    (tmp_path / "split").mkdir()
+    (tmp_path / "split" / "metrics.jsonl").write_text(json.dumps({"step": 1, "event": "round_failed"}) + "\n")
     run_federated(_config(tiny_workspace, tmp_path / "split", "federation.rounds=2"), show_progress=False)
     run_federated(_config(tiny_workspace, tmp_path / "split"), resume=True, show_progress=False)
     whole = load_file(str(tmp_path / "whole" / "final" / "trainable.safetensors"))
     split = load_file(str(tmp_path / "split" / "final" / "trainable.safetensors"))
     assert all(torch.equal(whole[k], split[k]) for k in whole)
+    logs = {name: [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+            for name in ("whole", "split")}
+    assert [(r["event"], r["round"]) for r in logs["split"]] == [("eval", 0), *(("round", k) for k in (1, 2, 3))]
+    assert logs["split"][0] == logs["whole"][0]  # the resumed sitting did not evaluate the start again
 
 
 def test_resume_refuses_a_run_made_with_another_config(tiny_workspace, tmp_path):
@@ -116,6 +127,8 @@ def test_report_compares_runs_with_plots_and_a_table(tiny_workspace, tmp_path):
     assert len(rows) == 2
     up = {row.split("|")[1].strip(): float(row.split("|")[7].replace(",", "")) for row in rows}
     assert up["fedmezo"] > 10 * up["zo-seeds"]  # dense uploads cost far more than seeds and scalars
+    summary = load_run_summary(tmp_path / "zo-seeds")  # the curves start from the starting model, no bytes sent
+    assert summary.rounds == [0, 1, 2] and summary.cumulative_up[0] == 0.0 < summary.cumulative_up[1]
     bad = CliRunner().invoke(app, ["report", str(tmp_path)])
     assert bad.exit_code == 2 and "not a finished zofed run" in " ".join(bad.output.split())
 

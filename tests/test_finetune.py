@@ -130,7 +130,7 @@ def test_cli_finetune_and_eval(tiny_workspace, tmp_path):
     assert missing.exit_code == 2 and "nope.csv" in missing.output
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "sst2_centralized.yaml", "federated_tweets.yaml"])
+@pytest.mark.parametrize("name", ["demo.yaml", "sst2_centralized.yaml", "federated_tweets.yaml", "federated_demo.yaml"])
 def test_shipped_configs_validate(name):
     from pathlib import Path
 

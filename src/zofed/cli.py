@@ -103,8 +103,8 @@ def run(
     except _user_errors() as err:
         _fail(str(err))
     console.print(_results_table("federated results", results, (
-        "client_accuracy_mean", "client_accuracy_worst10", "bytes_up_per_client_round",
-        "bytes_down_per_client_round", "forward_passes", "rejected_uplinks")))
+        "eval_accuracy_start", "eval_accuracy_final", "client_accuracy_mean", "client_accuracy_worst10",
+        "bytes_up_per_client_round", "bytes_down_per_client_round", "forward_passes", "rejected_uplinks")))
     console.print(f"run directory: {cfg.out_dir} (metrics.jsonl/.csv, partition.png, results.json)")
 
 

@@ -89,6 +89,13 @@ class FederatedRun:
                                           self.watch)
         return {f"eval_{k}": v for k, v in result.items()}
 
+    def evaluate_start(self) -> None:
+        """The starting model on the fixed test subset, recorded as round 0: curves then show where training
+        began. The model must hold the starting tensors."""
+        result = self.setup.task.evaluate(self.setup.model, self.setup.test, self.config.train.eval_batch_size,
+                                          self.watch)
+        self.metrics.write({"step": 0, "event": "eval", "round": 0, **{f"eval_{k}": v for k, v in result.items()}})
+
     def checkpoint(self, round_done: int, server: ServerRole) -> None:
         trainable = {name: t.view_as(p) for name, t, p in zip(self.setup.trainable.names, server.tensors,
                                                                self.setup.trainable.params, strict=True)}
@@ -125,7 +132,10 @@ class FederatedRun:
         save_final(setup, self.out)
         test = setup.task.evaluate(setup.model, setup.test, config.train.eval_batch_size)
         clients = per_client_accuracy(setup, self.splits, config.train.eval_batch_size)
-        history = [r for r in self.metrics.read() if r["event"] == "round"]
+        records = self.metrics.read()
+        history = [r for r in records if r["event"] == "round"]
+        start = [r["eval_accuracy"] for r in records if r["event"] == "eval" and r.get("round") == 0]
+        evaluated = [r["eval_accuracy"] for r in history if "eval_accuracy" in r]
         results = {"test": test, "test_examples": len(setup.test), "method": fed.method, "rounds": fed.rounds,
                    "client_accuracies": clients,
                    "client_accuracy_mean": float(np.mean(clients)) if clients else None,
@@ -134,6 +144,8 @@ class FederatedRun:
                    "bytes_down_per_client_round": float(np.mean([r["bytes_down_per_client"] for r in history])),
                    "forward_passes": history[-1]["forward_passes"] if history else 0,
                    "rejected_uplinks": sum(len(r["rejected"]) for r in history),
+                   "eval_accuracy_start": start[-1] if start else None,
+                   "eval_accuracy_final": evaluated[-1] if evaluated else None,
                    "trainable_parameters": setup.trainable.numel(), "seconds_this_sitting": seconds, **extra}
         write_atomic_text(self.out / "results.json", json.dumps(results, indent=2))
         return results
@@ -182,9 +194,12 @@ def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Conso
         setup.trainable.load_state_dict(saved["trainable"])
         server.load_state(setup.trainable.tensors(), saved)
         start_round = int(meta["round"])
-        metrics.truncate_after(start_round)
+    metrics.truncate_after(start_round if start_round else -1)  # without a checkpoint all records start over
     watch = eval_indices(config, setup.test)
-    return FederatedRun(config, out, setup, splits, plan, server, metrics, start_round, watch)
+    run = FederatedRun(config, out, setup, splits, plan, server, metrics, start_round, watch)
+    if start_round == 0:
+        run.evaluate_start()
+    return run
 
 
 def run_federated(config: FederatedConfig, *, resume: bool = False, show_progress: bool = True,

@@ -38,9 +38,12 @@ def load_run_summary(run_dir: Path) -> RunSummary:
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     if "federation" not in config:
         raise ConfigError(f"{run_dir} is a centralized run; zofed report compares federated runs")
-    records = [r for r in MetricsLog(run_dir / "metrics.jsonl").read() if r.get("event") == "round"]
+    logged = MetricsLog(run_dir / "metrics.jsonl").read()
+    records = [r for r in logged if r.get("event") == "round"]
     up = np.cumsum([r["bytes_up_per_client"] for r in records])
-    evaluated = [(r["round"], r["eval_accuracy"], up[i]) for i, r in enumerate(records) if "eval_accuracy" in r]
+    # Round 0 is the starting model (runs from before it was recorded have none).
+    evaluated = [(0, r["eval_accuracy"], 0.0) for r in logged if r.get("event") == "eval" and r.get("round") == 0]
+    evaluated += [(r["round"], r["eval_accuracy"], up[i]) for i, r in enumerate(records) if "eval_accuracy" in r]
     return RunSummary(run_dir.name, config["federation"]["method"], [e[0] for e in evaluated],
                       [e[1] for e in evaluated], [float(e[2]) for e in evaluated],
                       json.loads((run_dir / "results.json").read_text()))
@@ -55,8 +58,10 @@ def _figure(runs: list[RunSummary], out: Path) -> None:
     for run in runs:
         label = f"{run.name} ({run.method})"
         by_round.plot(run.rounds, run.accuracy, marker="o", ms=3, label=label)
-        by_bytes.plot(run.cumulative_up, run.accuracy, marker="o", ms=3, label=label)
-    by_round.set(xlabel="round", ylabel="test accuracy (fixed subset)", title="accuracy against rounds")
+        sent = [(b, a) for b, a in zip(run.cumulative_up, run.accuracy, strict=True) if b > 0]  # a log axis
+        by_bytes.plot([b for b, _ in sent], [a for _, a in sent], marker="o", ms=3, label=label)
+    by_round.set(xlabel="round (0: the starting model)", ylabel="test accuracy (fixed subset)",
+                 title="accuracy against rounds")
     by_bytes.set(xscale="log", xlabel="cumulative uplink bytes per client", title="accuracy against bytes sent")
     by_bytes.xaxis.set_minor_formatter(NullFormatter())  # minor labels on a log axis overlap
     by_round.xaxis.set_major_locator(MaxNLocator(integer=True))
