@@ -45,10 +45,12 @@ ROWS = [
 ]
 
 
-def build(row: dict, batch_size: int, seq_len: int):
+def build(row: dict, batch_size: int, seq_len: int, trainable_config: TrainableConfig | None = None):
+    """The model with its trainable selection (`row["trainable"]` names the mode unless a config is given), the
+    task and one batch of real tweets, every row exactly `seq_len` tokens."""
     encoder = row["model"] == "minilm-l6"
     loaded = load_model(row["model"], kind="encoder" if encoder else "causal-lm", num_labels=3 if encoder else None)
-    model, trainable = select_trainable(loaded.model, TrainableConfig(mode=row["trainable"]))
+    model, trainable = select_trainable(loaded.model, trainable_config or TrainableConfig(mode=row["trainable"]))
     task_type = "encoder-classification" if encoder else "prompt-classification"
     task = make_task(TaskConfig(type=task_type, verbalizer=["negative", "neutral", "positive"], max_length=seq_len),
                      loaded.tokenizer, 3)
