@@ -35,6 +35,7 @@ from zofed.fl.client import ClientContext, LocalTraining, run_client
 from zofed.fl.first_order import run_first_order_client
 from zofed.fl.personal import block_sizes
 from zofed.models.selection import TrainableConfig
+from zofed.run.checkpoint import write_atomic_text
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 MODEL = {"model": "smollm2-135m", "trainable": "patterns"}
@@ -106,9 +107,7 @@ def size_row(batch_size: int, seq_len: int, steps: int, processes: int) -> dict:
 
 def write_results(rows: list[dict], meta: dict) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    tmp = RESULTS / "client_memory.json.tmp"
-    tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    os.replace(tmp, RESULTS / "client_memory.json")
+    write_atomic_text(RESULTS / "client_memory.json", json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = [f"# Client memory in one round ({meta['machine']})", "",
              f"SmolLM2-135M, fp32, torch {meta['torch']}, {meta['steps']} local steps, the smallest peak of "
              f"{meta['processes']} fresh processes per cell; "
@@ -125,7 +124,7 @@ def write_results(rows: list[dict], meta: dict) -> None:
                      f"| {r['inference']['working_mib']} | {r['zofed']['working_mib']} | {r['fedavg']['working_mib']} "
                      f"| **{r['zofed_over_fedavg_working']}** | {r['zofed_over_inference_peak']} |")
     lines += ["", "![client memory](client_memory.png)"]
-    (RESULTS / "client_memory.md").write_text("\n".join(lines) + "\n")
+    write_atomic_text(RESULTS / "client_memory.md", "\n".join(lines) + "\n")
     write_figure(rows)
 
 
