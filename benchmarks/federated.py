@@ -44,7 +44,9 @@ RESULTS = ROOT / "docs" / "results"
 # zofed-size-blocks keeps zofed's one-block steps but draws the block in proportion to its size, the same for every
 # client: against zofed it prices the personal distribution, against zofed-no-personal (dense steps) the one-block
 # steps themselves. zofed-tilt adds the ZO-AdaMU-style lean of every direction towards the server's first moment.
-METHODS = ["zofed", "zofed-size-blocks", "zofed-tilt", "zofed-no-personal", "zofed-no-momentum", "zo-seeds", "decomfl",
+# zofed-blocks4 and zofed-blocks8 cut the 61 gains into 4 or 8 runs of layers instead of one block per tensor.
+METHODS = ["zofed", "zofed-size-blocks", "zofed-tilt", "zofed-blocks4", "zofed-blocks8",
+           "zofed-no-personal", "zofed-no-momentum", "zo-seeds", "decomfl",
            "fedkseed", "fedmezo", "fedavg", "fedadam"]
 REFERENCES = ["zero-shot", "centralized-mezo"]
 # The prompt is one line: the label word follows "Sentiment:" after a space.
@@ -61,6 +63,7 @@ BUDGET = [f"federation.rounds={ROUNDS}", f"federation.clients_per_round={CLIENTS
           "federation.eval_every=5", "task.max_length=64", "train.eval_batch_size=32"]
 METHOD_SETTINGS = {
     "zofed": [], "zofed-size-blocks": ["federation.sampling.mix=1.0"], "zofed-tilt": ["federation.sampling.tilt=0.5"],
+    "zofed-blocks4": ["federation.sampling.blocks=4"], "zofed-blocks8": ["federation.sampling.blocks=8"],
     "zofed-no-personal": ["federation.sampling.personalize=false"],
     "zofed-no-momentum": ["federation.server_optimizer.name=sgd"],
     "zo-seeds": [], "decomfl": [], "fedkseed": ["federation.pool_size=64"], "fedmezo": [],

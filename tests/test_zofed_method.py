@@ -16,6 +16,7 @@ from zofed.fl.personal import (
     draw_block,
     expected_update_square,
     step_perturbation,
+    tensor_blocks,
 )
 from zofed.fl.protocol import decode, message_nbytes
 from zofed.fl.roles import ClientRole, FederationPlan, ServerRole
@@ -253,3 +254,43 @@ def test_momentum_tilted_steps_are_rebuilt_exactly_from_the_momentum_sent():
     assert torch.equal(rebuilt, actual) and not torch.equal(untilted, actual)
     with pytest.raises(ValueError, match="momentum"):
         ServerRole(plan, start, None, ServerOptimizer("sgd"), BlockSampling(tilt=0.5))
+
+
+def test_tensor_blocks_cut_the_model_into_contiguous_runs_balanced_by_size():
+    tensors = [torch.zeros(n) for n in (10, 10, 10, 10, 10, 10, 40)]
+    assert tensor_blocks(tensors).tolist() == list(range(7))
+    layout = tensor_blocks(tensors, 2)
+    assert layout.tolist() == [0, 0, 0, 0, 0, 1, 1]  # 50 and 50 coordinates
+    assert np.all(np.diff(tensor_blocks(tensors, 4)) >= 0)  # contiguous in model order
+    assert block_sizes(tensors, layout=layout).tolist() == [50.0, 50.0]
+    with pytest.raises(ValueError, match="7 trainable tensors"):
+        tensor_blocks(tensors, 8)
+
+
+def test_grouped_blocks_perturb_whole_runs_of_tensors_and_are_rebuilt_exactly():
+    """With blocks=2 every step moves every tensor of the drawn run, scaled by 1/sqrt(pi_b); the server draws
+    the same runs, rebuilds the update exactly and files the probes under the two blocks."""
+    ctx = toy_context()
+    plan = FederationPlan("zofed", 6, 2, 4, lr=1e-2, eps=1e-2, run_seed=3, batch_size=8)
+    server = ServerRole(plan, ctx.trainable.tensors(), ctx.trainable.masks,
+                        ServerOptimizer("adam", 1e-2, granularity="block"), BlockSampling(blocks=2))
+    round_plan = server.round_plan(0)
+    assert round_plan.blocks == 2 and server.stats.client_sums.shape == (6, 2)
+    start = [t.clone() for t in server.tensors]
+    layout = tensor_blocks(start, 2)
+    downlink = server.downlink(round_plan, 1)
+    pi = decode(downlink).server_state
+    assert pi.shape == (2,)
+    pert, b = step_perturbation(7, pi, layout=layout)
+    assert [pert.moves(i) for i in range(len(start))] == (layout == b).tolist()
+    update, final = run_client(ctx, start, 1, toy_clients()[1], round_plan, pi)
+    rebuilt = torch.cat([r.reshape(-1) for r in rebuild_client_update(start, update, round_plan, Perturbation(), pi)])
+    actual = torch.cat([(f - s).reshape(-1) for f, s in zip(final, start, strict=True)])
+    assert actual.norm() > 0 and float((rebuilt - actual).norm() / actual.norm()) <= 1e-5
+    inbox = RoundInbox()
+    server.receive(inbox, round_plan, 1, ClientRole(ctx).train(downlink, 1, toy_clients()[1], 0))
+    server.aggregate(round_plan, inbox)
+    assert server.stats.client_counts[1].sum() == 4 and server.stats.global_counts.sum() == 4
+    with pytest.raises(ValueError, match="trainable tensors"):
+        ServerRole(plan, start, None, ServerOptimizer("adam", 1e-2, granularity="block"),
+                   BlockSampling(blocks=len(start) + 1))

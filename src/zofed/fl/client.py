@@ -15,7 +15,7 @@ import torch
 
 from zofed.data.tasks import Encoded, Task
 from zofed.fl.methods import personalized, seed_plan, uploads_dense
-from zofed.fl.personal import MomentumTilt, step_perturbation
+from zofed.fl.personal import MomentumTilt, step_perturbation, tensor_blocks
 from zofed.fl.protocol import ClientUpdate
 from zofed.models.selection import TrainableParams
 from zofed.zo.optim import MeZO
@@ -38,6 +38,7 @@ class LocalTraining:
     noise: str = "rademacher"
     pool_size: int = 0  # fedkseed
     tilt: float = 0.0  # zofed: lean towards the server's first moment (sent with the downlink)
+    blocks: int = 0  # zofed: how many blocks the trainable tensors are cut into (0: one per tensor)
 
     def to_config(self) -> dict[str, float | int | str]:
         """The plan as the downlink's config entries."""
@@ -87,10 +88,11 @@ def run_client(ctx: ClientContext, global_tensors: Sequence[torch.Tensor], clien
     if personalized(plan.method) and block_pi is None:
         raise ValueError(f"{plan.method} clients need their block distribution from the downlink")
     pert = Perturbation(kind=plan.noise, masks=ctx.trainable.masks)
+    layout = tensor_blocks(tensors, plan.blocks) if personalized(plan.method) else None
     grads, losses = [], []
     for t, seed in enumerate(seeds.step_seeds):
         if personalized(plan.method):
-            pert, _ = step_perturbation(seed, block_pi, plan.noise, ctx.trainable.masks, tilt)
+            pert, _ = step_perturbation(seed, block_pi, plan.noise, ctx.trainable.masks, tilt, layout)
         rng = np.random.default_rng([plan.run_seed, plan.round_id, client_id, t])
         batch = ctx.task.collate(ctx.train, rng.choice(indices, size=min(plan.batch_size, len(indices)),
                                                        replace=False))

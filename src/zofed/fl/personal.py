@@ -1,6 +1,8 @@
 """Personalized block sampling: each client perturbs one block per step, drawn from its own distribution.
 
-A block is one trainable tensor. At step t a client draws block b with probability pi_b and perturbs it with
+A block is one trainable tensor, or with `blocks=K` one of K contiguous runs of tensors in model order (a
+range of layers), balanced by size: fewer, larger blocks are each probed more often and moved less far by
+one step. At step t a client draws block b with probability pi_b and perturbs it with
 Rademacher noise scaled by 1/sqrt(pi_b) (every other block is left alone):
 
     z = u_b / sqrt(pi_b),   g = (L(x + eps z) - L(x - eps z)) / (2 eps),   x <- x - lr g z
@@ -44,12 +46,15 @@ class BlockSampling:
     mix: float = 0.3
     prior_weight: float = 2.0
     tilt: float = 0.0  # lean of each direction towards the server's first moment (0: off)
+    blocks: int = 0  # how many blocks the trainable tensors are cut into (0: one block per tensor)
 
     def __post_init__(self) -> None:
         if not 0 < self.mix <= 1:
             raise ValueError(f"block sampling mix must be in (0, 1], got {self.mix}")
         if self.prior_weight <= 0:
             raise ValueError(f"block sampling prior_weight must be positive, got {self.prior_weight}")
+        if self.blocks < 0:
+            raise ValueError(f"block sampling blocks must be 0 (one per tensor) or positive, got {self.blocks}")
 
 
 @dataclass(frozen=True)
@@ -73,11 +78,29 @@ class MomentumTilt:
         return [float(b.double().norm()) / max(1, b.numel()) ** 0.5 for b in self.buffers]
 
 
-def block_sizes(tensors: Sequence[torch.Tensor], masks: Sequence[torch.Tensor | None] | None = None) -> np.ndarray:
-    """Coordinates each block can move (a mask leaves only its True entries)."""
-    sizes = [int(m.sum()) if masks is not None and m is not None else t.numel()
-             for t, m in zip(tensors, masks if masks is not None else [None] * len(tensors), strict=True)]
-    return np.asarray(sizes, dtype=np.float64)
+def tensor_blocks(tensors: Sequence[torch.Tensor], blocks: int = 0) -> np.ndarray:
+    """The block of each tensor: `blocks` contiguous runs in model order, cut where the running size crosses
+    each K-th of the total (a tensor goes where its middle falls); 0 gives every tensor its own block.
+    Client and server both derive it from the model's tensor sizes and the round's plan."""
+    n = len(tensors)
+    if blocks == 0 or blocks == n:
+        return np.arange(n)
+    if not 0 < blocks < n:
+        raise ValueError(f"sampling blocks is {blocks}, but the model has {n} trainable tensors: "
+                         f"choose 0 (one block per tensor) up to {n}")
+    numels = np.asarray([t.numel() for t in tensors], dtype=np.float64)
+    middles = np.cumsum(numels) - numels / 2
+    raw = np.floor(blocks * middles / numels.sum()).astype(np.int64)
+    return np.unique(raw, return_inverse=True)[1]  # renumbered 0.. in case a very large tensor spans two cuts
+
+
+def block_sizes(tensors: Sequence[torch.Tensor], masks: Sequence[torch.Tensor | None] | None = None,
+                layout: np.ndarray | None = None) -> np.ndarray:
+    """Coordinates each block can move (a mask leaves only its True entries); per tensor without a layout."""
+    sizes = np.asarray([int(m.sum()) if masks is not None and m is not None else t.numel()
+                        for t, m in zip(tensors, masks if masks is not None else [None] * len(tensors), strict=True)],
+                       dtype=np.float64)
+    return sizes if layout is None else np.bincount(layout, weights=sizes)
 
 
 @dataclass
@@ -121,18 +144,20 @@ def global_energy(stats: BlockStats, sizes: np.ndarray, settings: BlockSampling)
 
 
 def expected_update_square(energy: np.ndarray, sizes: np.ndarray, numels: np.ndarray, lr: float, queries: int,
-                           steps: Sequence[tuple[float, float, int]]) -> np.ndarray:
-    """Each block's expected mean of d^2 in a round's mean update, from its energy estimate |grad_b|^2.
+                           steps: Sequence[tuple[float, float, int]], layout: np.ndarray | None = None) -> np.ndarray:
+    """Each tensor's expected mean of d^2 in a round's mean update, from its block's energy estimate |grad_b|^2.
+    `energy` is per block, `sizes` (moving coordinates) and `numels` per tensor, `layout` the tensors' blocks.
 
     `steps` holds (client weight, pi_b, b) for every step of the round. A step on block b adds
     -lr w g u_b / sqrt(pi_b) with E[g^2] = |grad_b|^2 / pi_b, so it adds lr^2 w^2 |grad_b|^2 / pi_b^2 to each
     of the block's moving coordinates (divided by q when q queries each carry 1/q of the step); the
     directions are independent, so the squares add. This is the steps' noise: their coherent part, the
     gradient itself, is about 1/n_b of it and left out."""
-    total = np.zeros(len(sizes))
+    layout = np.arange(len(sizes)) if layout is None else layout
+    total = np.zeros(len(energy))
     for weight, pi_b, b in steps:
         total[b] += (lr * weight) ** 2 / (float(pi_b) ** 2 * queries)
-    return total * energy * sizes / numels
+    return (total * energy)[layout] * sizes / numels
 
 
 def client_distribution(stats: BlockStats, client_id: int, sizes: np.ndarray,
@@ -166,11 +191,13 @@ def draw_block(step_seed: int, pi: np.ndarray) -> int:
 
 def step_perturbation(step_seed: int, pi: np.ndarray, kind: str = "rademacher",
                       masks: Sequence[torch.Tensor | None] | None = None,
-                      tilt: MomentumTilt | None = None) -> tuple[Perturbation, int]:
-    """The perturbation of one step (one block, scaled by 1/sqrt(pi_b)) and the block it chose."""
+                      tilt: MomentumTilt | None = None, layout: np.ndarray | None = None) -> tuple[Perturbation, int]:
+    """The perturbation of one step (one block, scaled by 1/sqrt(pi_b)) and the block it chose.
+    `layout` maps each tensor to its block (None: one block per tensor)."""
     b = draw_block(step_seed, pi)
-    scales = [0.0] * len(pi)
-    scales[b] = float(1.0 / np.sqrt(np.float64(pi[b])))
+    layout = np.arange(len(pi)) if layout is None else layout
+    scale = float(1.0 / np.sqrt(np.float64(pi[b])))
+    scales = [scale if block == b else 0.0 for block in layout.tolist()]
     pert = Perturbation(kind=kind, scales=scales, masks=masks)
     if tilt is not None and tilt.weight != 0.0:
         pert = replace(pert, momentum=tilt.buffers, momentum_weight=tilt.weight, momentum_rms=tilt.rms())

@@ -32,6 +32,7 @@ from zofed.fl.personal import (
     client_distribution,
     expected_update_square,
     global_energy,
+    tensor_blocks,
 )
 from zofed.fl.protocol import ServerBroadcast, decode, encode
 from zofed.fl.server import RoundInbox, block_probes, broadcast, mean_update, receive, unflatten
@@ -97,9 +98,11 @@ class ServerRole:
         self.optimizer = optimizer or ServerOptimizer()
         self.opt_state = self.optimizer.init(self.tensors)
         self.sampling = sampling or BlockSampling()
-        self.sizes = block_sizes(self.tensors, masks)
+        self.layout = tensor_blocks(self.tensors, self.sampling.blocks)  # each tensor's block
+        self.tensor_sizes = block_sizes(self.tensors, masks)
+        self.sizes = block_sizes(self.tensors, masks, self.layout)
         self.numels = np.asarray([t.numel() for t in self.tensors], dtype=np.float64)
-        self.stats = BlockStats.zeros(plan.num_clients, len(self.tensors))
+        self.stats = BlockStats.zeros(plan.num_clients, len(self.sizes))
         self.num_trainable = sum(t.numel() for t in self.tensors)
         if self.sampling.tilt and "m" not in self.opt_state.buffers:
             raise ValueError(f"a momentum tilt needs a server optimizer with momentum, not {self.optimizer.name}")
@@ -108,7 +111,8 @@ class ServerRole:
 
     def round_plan(self, round_id: int) -> LocalTraining:
         plan = self.plan.round(round_id)
-        return replace(plan, tilt=self.sampling.tilt) if personalized(plan.method) else plan
+        return replace(plan, tilt=self.sampling.tilt, blocks=self.sampling.blocks) if personalized(plan.method) \
+            else plan
 
     def sample(self, round_id: int) -> list[int]:
         return sample_clients(self.plan.run_seed, round_id, self.plan.num_clients, self.plan.clients_per_round)
@@ -152,7 +156,8 @@ class ServerRole:
                 steps = [(u.num_examples / total, pis[u.client_id][b], b)
                          for u in inbox.accepted for b in probes[u.client_id][0]]
                 expected_square = expected_update_square(global_energy(self.stats, self.sizes, self.sampling),
-                                                         self.sizes, self.numels, plan.lr, plan.queries, steps)
+                                                         self.tensor_sizes, self.numels, plan.lr, plan.queries,
+                                                         steps, self.layout)
         self.opt_state = self.optimizer.apply(self.tensors, self.opt_state, delta, expected_square)
         self._sent_pi.clear()
         self._sent_momentum = None
@@ -189,10 +194,11 @@ class ClientRole:
         else:
             pi, tilt = None, None
             if personalized(plan.method):
-                pi = message.server_state[:len(start)]
-                check_distribution(pi, len(start))
+                num_blocks = int(tensor_blocks(start, plan.blocks).max()) + 1
+                pi = message.server_state[:num_blocks]
+                check_distribution(pi, num_blocks)
                 if plan.tilt:
-                    tilt = MomentumTilt.from_flat(message.server_state[len(start):], start, plan.tilt)
+                    tilt = MomentumTilt.from_flat(message.server_state[num_blocks:], start, plan.tilt)
             update, _ = run_client(self.ctx, start, client_id, indices, plan, pi, tilt)
         return encode(update)
 

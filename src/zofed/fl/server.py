@@ -19,7 +19,7 @@ import torch
 
 from zofed.fl.client import LocalTraining
 from zofed.fl.methods import personalized
-from zofed.fl.personal import MomentumTilt, probe_energy, step_perturbation
+from zofed.fl.personal import MomentumTilt, draw_block, probe_energy, step_perturbation, tensor_blocks
 from zofed.fl.protocol import ClientUpdate, MessageError, ServerBroadcast, decode, step_seeds
 from zofed.zo.optim import MeZO
 from zofed.zo.perturb import Perturbation, add_directions_
@@ -68,14 +68,15 @@ def client_records(update: ClientUpdate) -> list[StepRecord]:
 
 
 def step_perturbations(update: ClientUpdate, plan: LocalTraining, perturbation: Perturbation,
-                       block_pi: np.ndarray | None = None,
-                       tilt: MomentumTilt | None = None) -> list[tuple[Perturbation, int | None]]:
-    """The perturbation each of the client's steps used, and the block it drew (personalized methods)."""
+                       block_pi: np.ndarray | None = None, tilt: MomentumTilt | None = None,
+                       layout: np.ndarray | None = None) -> list[tuple[Perturbation, int | None]]:
+    """The perturbation each of the client's steps used, and the block it drew (personalized methods).
+    `layout` maps each tensor to its block (`tensor_blocks` of the plan's `blocks`)."""
     if not personalized(plan.method):
         return [(perturbation, None)] * update.grads.shape[0]
     if block_pi is None:
         raise ValueError(f"rebuilding a {plan.method} update needs the client's block distribution")
-    return [step_perturbation(int(s), block_pi, perturbation.kind, perturbation.masks, tilt)
+    return [step_perturbation(int(s), block_pi, perturbation.kind, perturbation.masks, tilt, layout)
             for s in step_seeds(update)]
 
 
@@ -88,7 +89,8 @@ def rebuild_client_update(global_tensors: Sequence[torch.Tensor], update: Client
     tensors = [t.clone() for t in global_tensors]
     optimizer = MeZO()
     state = optimizer.init(tensors)
-    steps = step_perturbations(update, plan, perturbation, block_pi, tilt)
+    layout = tensor_blocks(global_tensors, plan.blocks) if personalized(plan.method) else None
+    steps = step_perturbations(update, plan, perturbation, block_pi, tilt, layout)
     for record, (pert, _) in zip(client_records(update), steps, strict=True):
         state = optimizer.apply(tensors, state, record.grad_terms(), [], plan.lr, pert)
     return [t - g for t, g in zip(tensors, global_tensors, strict=True)]
@@ -105,6 +107,7 @@ def mean_update(global_tensors: Sequence[torch.Tensor], updates: Sequence[Client
     total = sum(u.num_examples for u in updates)
     mean = [torch.zeros_like(t) for t in global_tensors]
     terms: list[tuple[int, float]] = []
+    layout = tensor_blocks(global_tensors, plan.blocks) if personalized(plan.method) else None
     for update in updates:
         weight = update.num_examples / total
         if update.dense is not None:
@@ -113,7 +116,7 @@ def mean_update(global_tensors: Sequence[torch.Tensor], updates: Sequence[Client
             continue
         if personalized(plan.method):  # one block a step, each with its own scale: added step by step
             pi = (block_pis or {}).get(update.client_id)
-            steps = step_perturbations(update, plan, perturbation, pi, tilt)
+            steps = step_perturbations(update, plan, perturbation, pi, tilt, layout)
             for record, (pert, _) in zip(client_records(update), steps, strict=True):
                 add_directions_(mean, [(s, -plan.lr * g * weight) for s, g in record.grad_terms()], pert)
             continue
@@ -126,7 +129,7 @@ def mean_update(global_tensors: Sequence[torch.Tensor], updates: Sequence[Client
 
 def block_probes(update: ClientUpdate, plan: LocalTraining, block_pi: np.ndarray) -> tuple[list[int], list[float]]:
     """The blocks a personalized client's steps drew and their energy estimates pi_b g^2 (mean over queries)."""
-    blocks = [b for _, b in step_perturbations(update, plan, Perturbation(kind=plan.noise), block_pi)]
+    blocks = [draw_block(int(s), block_pi) for s in step_seeds(update)]
     energies = [float(np.mean([probe_energy(g, block_pi, b) for g in row])) for b, row in zip(blocks, update.grads,
                                                                                          strict=True)]
     return blocks, energies

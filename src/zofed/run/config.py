@@ -147,6 +147,7 @@ class SamplingSection(_Section):
     mix: float = Field(0.3, gt=0, le=1)  # share of the size-proportional distribution kept in each client's pi
     prior_weight: float = Field(2.0, gt=0)  # probes the global estimate is worth in a client's own estimate
     tilt: float = Field(0.0, ge=0)  # ZO-AdaMU-style lean towards the server's first moment (needs adam/yogi/amsgrad)
+    blocks: int = Field(0, ge=0)  # blocks the trainable tensors are cut into, contiguous in model order (0: per tensor)
 
 
 class FederationSection(_Section):

@@ -186,7 +186,8 @@ def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Conso
                           config.zo.eps, config.train.seed, config.zo.queries, config.train.batch_size,
                           config.zo.noise, fed.pool_size)
     server = ServerRole(plan, setup.trainable.tensors(), setup.trainable.masks, server_optimizer,
-                        BlockSampling(fed.sampling.mix, fed.sampling.prior_weight, fed.sampling.tilt))
+                        BlockSampling(fed.sampling.mix, fed.sampling.prior_weight, fed.sampling.tilt,
+                                      fed.sampling.blocks))
     metrics = MetricsLog(out / "metrics.jsonl")
     start_round = 0
     if find_checkpoint(out / "checkpoint") is not None:
