@@ -44,8 +44,9 @@ RESULTS = ROOT / "docs" / "results"
 # zofed-size-blocks keeps zofed's one-block steps but draws the block in proportion to its size, the same for every
 # client: against zofed it prices the personal distribution, against zofed-no-personal (dense steps) the one-block
 # steps themselves. zofed-tilt adds the ZO-AdaMU-style lean of every direction towards the server's first moment.
-# zofed-blocks4 and zofed-blocks8 cut the 61 gains into 4 or 8 runs of layers instead of one block per tensor.
-METHODS = ["zofed", "zofed-size-blocks", "zofed-tilt", "zofed-blocks4", "zofed-blocks8",
+# zofed-blocks4 and zofed-blocks8 cut the 61 gains into 4 or 8 runs of layers instead of one block per tensor;
+# zofed-shared gives the round's clients DeComFL's shared step seeds, each still drawing blocks from its own pi.
+METHODS = ["zofed", "zofed-size-blocks", "zofed-tilt", "zofed-blocks4", "zofed-blocks8", "zofed-shared",
            "zofed-no-personal", "zofed-no-momentum", "zo-seeds", "decomfl",
            "fedkseed", "fedmezo", "fedavg", "fedadam"]
 REFERENCES = ["zero-shot", "centralized-mezo"]
@@ -64,6 +65,7 @@ BUDGET = [f"federation.rounds={ROUNDS}", f"federation.clients_per_round={CLIENTS
 METHOD_SETTINGS = {
     "zofed": [], "zofed-size-blocks": ["federation.sampling.mix=1.0"], "zofed-tilt": ["federation.sampling.tilt=0.5"],
     "zofed-blocks4": ["federation.sampling.blocks=4"], "zofed-blocks8": ["federation.sampling.blocks=8"],
+    "zofed-shared": ["federation.sampling.shared_seeds=true"],
     "zofed-no-personal": ["federation.sampling.personalize=false"],
     "zofed-no-momentum": ["federation.server_optimizer.name=sgd"],
     "zo-seeds": [], "decomfl": [], "fedkseed": ["federation.pool_size=64"], "fedmezo": [],

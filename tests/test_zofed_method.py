@@ -1,5 +1,7 @@
 """zofed's own method: personalized block sampling on clients, adaptive momentum on the server."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -22,6 +24,7 @@ from zofed.fl.protocol import decode, message_nbytes
 from zofed.fl.roles import ClientRole, FederationPlan, ServerRole
 from zofed.fl.server import RoundInbox, rebuild_client_update
 from zofed.fl.server_opt import ServerOptimizer
+from zofed.zo.noise import derive_seed
 from zofed.zo.perturb import Perturbation, add_directions_
 
 
@@ -294,3 +297,29 @@ def test_grouped_blocks_perturb_whole_runs_of_tensors_and_are_rebuilt_exactly():
     with pytest.raises(ValueError, match="trainable tensors"):
         ServerRole(plan, start, None, ServerOptimizer("adam", 1e-2, granularity="block"),
                    BlockSampling(blocks=len(start) + 1))
+
+
+def test_shared_seeds_couple_the_clients_draws_and_are_rebuilt_exactly():
+    """With shared seeds two clients of a round step along the same seeds: under the same pi they draw the
+    same blocks; under different pis each draws from its own, and the server still rebuilds each exactly."""
+    ctx = toy_context()
+    plan = FederationPlan("zofed", 6, 2, 6, lr=1e-2, eps=1e-2, run_seed=3, batch_size=8)
+    server = ServerRole(plan, ctx.trainable.tensors(), ctx.trainable.masks,
+                        ServerOptimizer("adam", 1e-2, granularity="block"), BlockSampling(shared_seeds=True))
+    round_plan = server.round_plan(0)
+    assert round_plan.shared_seeds == 1
+    start = [t.clone() for t in server.tensors]
+    others = list(range(1, len(start)))
+    server.stats.record(2, [0, 0, *others], [500.0, 600.0, *[1e-3] * len(others)])  # client 2 leans on block 0
+    pis = {c: decode(server.downlink(round_plan, c)).server_state for c in (0, 1, 2)}
+    updates = {c: run_client(ctx, start, c, toy_clients()[c], round_plan, pis[c]) for c in (0, 1, 2)}
+    assert updates[0][0].base_seed == updates[1][0].base_seed == updates[2][0].base_seed
+    draws = {c: [draw_block(derive_seed(updates[c][0].base_seed, t), pis[c]) for t in range(6)] for c in pis}
+    assert draws[0] == draws[1] and draws[2] != draws[0]
+    for c, (update, final) in updates.items():
+        rebuilt = torch.cat([r.reshape(-1) for r in rebuild_client_update(start, update, round_plan, Perturbation(),
+                                                                          pis[c])])
+        actual = torch.cat([(f - s).reshape(-1) for f, s in zip(final, start, strict=True)])
+        assert actual.norm() > 0 and float((rebuilt - actual).norm() / actual.norm()) <= 1e-5
+    private = replace(round_plan, shared_seeds=0)
+    assert run_client(ctx, start, 1, toy_clients()[1], private, pis[1])[0].base_seed != updates[1][0].base_seed

@@ -39,6 +39,7 @@ class LocalTraining:
     pool_size: int = 0  # fedkseed
     tilt: float = 0.0  # zofed: lean towards the server's first moment (sent with the downlink)
     blocks: int = 0  # zofed: how many blocks the trainable tensors are cut into (0: one per tensor)
+    shared_seeds: int = 0  # zofed: 1 when the round's clients share their step seeds
 
     def to_config(self) -> dict[str, float | int | str]:
         """The plan as the downlink's config entries."""
@@ -82,7 +83,8 @@ def run_client(ctx: ClientContext, global_tensors: Sequence[torch.Tensor], clien
     tensors = ctx.trainable.tensors()
     load_tensors_(tensors, global_tensors)
     clean = [t.clone() for t in global_tensors]
-    seeds = seed_plan(plan.method, plan.run_seed, plan.round_id, client_id, plan.local_steps, plan.pool_size)
+    seeds = seed_plan(plan.method, plan.run_seed, plan.round_id, client_id, plan.local_steps, plan.pool_size,
+                      bool(plan.shared_seeds))
     optimizer = MeZO()
     state = optimizer.init(clean)
     if personalized(plan.method) and block_pi is None:

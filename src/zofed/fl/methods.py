@@ -37,7 +37,9 @@ class SeedPlan:
     explicit: bool  # ... or lists them one by one
 
 
-def seed_plan(method: str, run_seed: int, round_id: int, client_id: int, steps: int, pool_size: int = 0) -> SeedPlan:
+def seed_plan(method: str, run_seed: int, round_id: int, client_id: int, steps: int, pool_size: int = 0,
+              shared: bool = False) -> SeedPlan:
+    """`shared`: the round's clients share their step seeds, as DeComFL's always do (zofed's option)."""
     if method not in METHODS:
         raise ValueError(f"unknown federated ZO method {method!r}; choose one of {', '.join(METHODS)}")
     if method == "fedkseed":
@@ -46,7 +48,7 @@ def seed_plan(method: str, run_seed: int, round_id: int, client_id: int, steps: 
         pool = kseed_pool(run_seed, pool_size)
         picks = np.random.default_rng([run_seed, round_id, client_id, 7]).integers(0, pool_size, size=steps)
         return SeedPlan([int(pool[i]) for i in picks], None, True)
-    owner = _SHARED if method == "decomfl" else client_id
+    owner = _SHARED if method == "decomfl" or shared else client_id
     base = derive_seed(run_seed, round_id, owner)
     return SeedPlan([derive_seed(base, t) for t in range(steps)], base, False)
 

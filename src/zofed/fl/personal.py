@@ -47,6 +47,7 @@ class BlockSampling:
     prior_weight: float = 2.0
     tilt: float = 0.0  # lean of each direction towards the server's first moment (0: off)
     blocks: int = 0  # how many blocks the trainable tensors are cut into (0: one block per tensor)
+    shared_seeds: bool = False  # the round's clients share step seeds: one draw picks the same block for like pis
 
     def __post_init__(self) -> None:
         if not 0 < self.mix <= 1:

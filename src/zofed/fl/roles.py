@@ -111,8 +111,10 @@ class ServerRole:
 
     def round_plan(self, round_id: int) -> LocalTraining:
         plan = self.plan.round(round_id)
-        return replace(plan, tilt=self.sampling.tilt, blocks=self.sampling.blocks) if personalized(plan.method) \
-            else plan
+        if not personalized(plan.method):
+            return plan
+        return replace(plan, tilt=self.sampling.tilt, blocks=self.sampling.blocks,
+                       shared_seeds=int(self.sampling.shared_seeds))
 
     def sample(self, round_id: int) -> list[int]:
         return sample_clients(self.plan.run_seed, round_id, self.plan.num_clients, self.plan.clients_per_round)

@@ -148,6 +148,7 @@ class SamplingSection(_Section):
     prior_weight: float = Field(2.0, gt=0)  # probes the global estimate is worth in a client's own estimate
     tilt: float = Field(0.0, ge=0)  # ZO-AdaMU-style lean towards the server's first moment (needs adam/yogi/amsgrad)
     blocks: int = Field(0, ge=0)  # blocks the trainable tensors are cut into, contiguous in model order (0: per tensor)
+    shared_seeds: bool = False  # the round's clients share step seeds (DeComFL-style), each drawing from its own pi
 
 
 class FederationSection(_Section):

@@ -187,7 +187,7 @@ def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Conso
                           config.zo.noise, fed.pool_size)
     server = ServerRole(plan, setup.trainable.tensors(), setup.trainable.masks, server_optimizer,
                         BlockSampling(fed.sampling.mix, fed.sampling.prior_weight, fed.sampling.tilt,
-                                      fed.sampling.blocks))
+                                      fed.sampling.blocks, fed.sampling.shared_seeds))
     metrics = MetricsLog(out / "metrics.jsonl")
     start_round = 0
     if find_checkpoint(out / "checkpoint") is not None:
