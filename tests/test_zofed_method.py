@@ -28,6 +28,13 @@ from zofed.zo.noise import derive_seed
 from zofed.zo.perturb import Perturbation, add_directions_
 
 
+def assert_rebuilt_exactly(start, update, final, round_plan, pi) -> None:
+    """The server's rebuild of a client's update matches what the client applied (relative error <= 1e-5)."""
+    rebuilt = torch.cat([r.reshape(-1) for r in rebuild_client_update(start, update, round_plan, Perturbation(), pi)])
+    actual = torch.cat([(f - s).reshape(-1) for f, s in zip(final, start, strict=True)])
+    assert actual.norm() > 0 and float((rebuilt - actual).norm() / actual.norm()) <= 1e-5
+
+
 def test_personalized_steps_are_unbiased_with_identity_covariance():
     """E[z z^T] = I for z = u_b / sqrt(pi_b), b ~ pi: the mean of (w . z) z over many steps is w."""
     pi = np.array([0.6, 0.3, 0.1], np.float32)
@@ -84,9 +91,7 @@ def test_server_rebuilds_a_personalized_clients_update_exactly_and_learns_its_bl
     pi = decode(downlink).server_state
     assert pi[1] > 3 * server.sizes[1] / server.sizes.sum()
     update, final = run_client(ctx, start, 1, toy_clients()[1], round_plan, pi)
-    rebuilt = torch.cat([r.reshape(-1) for r in rebuild_client_update(start, update, round_plan, Perturbation(), pi)])
-    actual = torch.cat([(f - s).reshape(-1) for f, s in zip(final, start, strict=True)])
-    assert actual.norm() > 0 and float((rebuilt - actual).norm() / actual.norm()) <= 1e-5
+    assert_rebuilt_exactly(start, update, final, round_plan, pi)
     inbox = RoundInbox()
     server.receive(inbox, round_plan, 1, ClientRole(ctx).train(downlink, 1, toy_clients()[1], 0))
     server.aggregate(round_plan, inbox)
@@ -287,9 +292,7 @@ def test_grouped_blocks_perturb_whole_runs_of_tensors_and_are_rebuilt_exactly():
     pert, b = step_perturbation(7, pi, layout=layout)
     assert [pert.moves(i) for i in range(len(start))] == (layout == b).tolist()
     update, final = run_client(ctx, start, 1, toy_clients()[1], round_plan, pi)
-    rebuilt = torch.cat([r.reshape(-1) for r in rebuild_client_update(start, update, round_plan, Perturbation(), pi)])
-    actual = torch.cat([(f - s).reshape(-1) for f, s in zip(final, start, strict=True)])
-    assert actual.norm() > 0 and float((rebuilt - actual).norm() / actual.norm()) <= 1e-5
+    assert_rebuilt_exactly(start, update, final, round_plan, pi)
     inbox = RoundInbox()
     server.receive(inbox, round_plan, 1, ClientRole(ctx).train(downlink, 1, toy_clients()[1], 0))
     server.aggregate(round_plan, inbox)
@@ -317,9 +320,6 @@ def test_shared_seeds_couple_the_clients_draws_and_are_rebuilt_exactly():
     draws = {c: [draw_block(derive_seed(updates[c][0].base_seed, t), pis[c]) for t in range(6)] for c in pis}
     assert draws[0] == draws[1] and draws[2] != draws[0]
     for c, (update, final) in updates.items():
-        rebuilt = torch.cat([r.reshape(-1) for r in rebuild_client_update(start, update, round_plan, Perturbation(),
-                                                                          pis[c])])
-        actual = torch.cat([(f - s).reshape(-1) for f, s in zip(final, start, strict=True)])
-        assert actual.norm() > 0 and float((rebuilt - actual).norm() / actual.norm()) <= 1e-5
+        assert_rebuilt_exactly(start, update, final, round_plan, pis[c])
     private = replace(round_plan, shared_seeds=0)
     assert run_client(ctx, start, 1, toy_clients()[1], private, pis[1])[0].base_seed != updates[1][0].base_seed
