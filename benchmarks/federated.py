@@ -58,7 +58,7 @@ TASKS = {
 }
 # Sized for a 2-core machine: one SST-2 row takes a few minutes, an AG News row about twice that.
 ROUNDS, CLIENTS_PER_ROUND, LOCAL_STEPS, BATCH = 10, 3, 4, 8
-BUDGET = [f"federation.rounds={ROUNDS}", f"federation.clients_per_round={CLIENTS_PER_ROUND}",
+BUDGET = [f"federation.clients_per_round={CLIENTS_PER_ROUND}",
           f"federation.local_steps={LOCAL_STEPS}", "federation.partition.num_clients=10",
           "federation.partition.test_fraction=0.1", f"train.batch_size={BATCH}", "data.eval_examples=100",
           "federation.eval_every=5", "task.max_length=64", "train.eval_batch_size=32"]
@@ -82,8 +82,9 @@ MODELS = {
 }
 
 
-def row_key(method: str, dataset: str, alpha: float, seed: int, model: str) -> str:
-    return f"{method}|{dataset}|{alpha}|{seed}|{model}"
+def row_key(method: str, dataset: str, alpha: float, seed: int, model: str, rounds: int = ROUNDS) -> str:
+    """Rows of the headline budget keep their short key; a longer run (`--rounds`) is its own row."""
+    return f"{method}|{dataset}|{alpha}|{seed}|{model}" + ("" if rounds == ROUNDS else f"|r{rounds}")
 
 
 def _base_method(method: str) -> str:
@@ -91,21 +92,24 @@ def _base_method(method: str) -> str:
     return "zofed" if method.startswith("zofed") else method
 
 
-def _config(method: str, dataset: str, alpha: float, seed: int, out: Path, model: str) -> FederatedConfig:
+def _config(method: str, dataset: str, alpha: float, seed: int, out: Path, model: str,
+            rounds: int = ROUNDS) -> FederatedConfig:
     settings = METHOD_SETTINGS.get(method, []) + ([f"federation.method={_base_method(method)}"]
                                                   if method in METHODS else [])
     task = TASKS[dataset] if model == "smollm2-135m" else []
     if method in ("fedavg", "fedadam") and model == "smollm2-135m":
         settings = [*settings, "trainable.mode=lora"]  # first-order baselines train LoRA (r 8 on q, v)
-    return load_config(None, [*MODELS[model], *COMMON, *task, *BUDGET, *settings, f"data.source=shared:{dataset}",
-                              f"federation.partition.alpha={alpha}", f"federation.partition.seed={seed}",
-                              f"train.seed={seed}", f"out_dir={out}"], schema=FederatedConfig)
+    return load_config(None, [*MODELS[model], *COMMON, *task, *BUDGET, f"federation.rounds={rounds}", *settings,
+                              f"data.source=shared:{dataset}", f"federation.partition.alpha={alpha}",
+                              f"federation.partition.seed={seed}", f"train.seed={seed}", f"out_dir={out}"],
+                       schema=FederatedConfig)
 
 
-def run_row(method: str, dataset: str, alpha: float, seed: int, model: str = "smollm2-135m") -> dict:
-    suffix = "" if model == "smollm2-135m" else f"-{model}"
+def run_row(method: str, dataset: str, alpha: float, seed: int, model: str = "smollm2-135m",
+            rounds: int = ROUNDS) -> dict:
+    suffix = ("" if model == "smollm2-135m" else f"-{model}") + ("" if rounds == ROUNDS else f"-r{rounds}")
     out = ROOT / "runs" / "bench" / "federated" / f"{method}-{dataset}-a{alpha}-s{seed}{suffix}"
-    config = _config(method, dataset, alpha, seed, out, model)
+    config = _config(method, dataset, alpha, seed, out, model, rounds)
     if method in REFERENCES:
         return _reference_row(method, config, dataset, alpha, seed, out)
     results = run_federated(config, resume=find_checkpoint(out / "checkpoint") is not None,
@@ -128,9 +132,9 @@ def row_from_results(method: str, dataset: str, alpha: float, seed: int, config:
             "wall_seconds": _round_seconds(out), "run_dir": str(out.relative_to(ROOT))}
 
 
-def _row_process(method: str, dataset: str, alpha: float, seed: int, model: str, threads: int) -> dict:
+def _row_process(method: str, dataset: str, alpha: float, seed: int, model: str, rounds: int, threads: int) -> dict:
     torch.set_num_threads(threads)
-    return {**run_row(method, dataset, alpha, seed, model), "peak_rss_scope": "row", "torch_threads": threads}
+    return {**run_row(method, dataset, alpha, seed, model, rounds), "peak_rss_scope": "row", "torch_threads": threads}
 
 
 def run_rows(pending: list[tuple], jobs: int, threads: int) -> Iterator[tuple[str, dict | BaseException]]:
@@ -154,7 +158,7 @@ def _reference_row(method: str, config: FederatedConfig, dataset: str, alpha: fl
     t0 = time.perf_counter()
     setup = build(config)
     splits = client_splits(setup.train_data, config.federation.partition)
-    steps = ROUNDS * CLIENTS_PER_ROUND * LOCAL_STEPS if method == "centralized-mezo" else 0
+    steps = config.federation.rounds * CLIENTS_PER_ROUND * LOCAL_STEPS if method == "centralized-mezo" else 0
     if steps:
         pooled = np.concatenate([s.train for s in splits])
         client_view = setup.train
@@ -207,9 +211,9 @@ def _groups(rows: list[dict]) -> dict[tuple, list[dict]]:
     return groups
 
 
-def write_figures(rows: list[dict]) -> list[Path]:
+def write_figures(rows: list[dict], tag: str = "") -> list[Path]:
     """Per (dataset, alpha): subset accuracy against rounds and against cumulative uplink bytes per client,
-    mean over seeds, one line per federated method."""
+    mean over seeds, one line per federated method. `tag` ends the file names (a longer budget's figures)."""
     from matplotlib.figure import Figure
 
     paths = []
@@ -238,7 +242,7 @@ def write_figures(rows: list[dict]) -> list[Path]:
         by_bytes.set(xscale="log", xlabel="cumulative uplink bytes per client", title="accuracy against bytes sent")
         by_round.legend(fontsize="x-small")
         fig.tight_layout()
-        path = RESULTS / f"federated_{dataset}_a{alpha}_{model}.png"
+        path = RESULTS / f"federated_{dataset}_a{alpha}_{model}{tag}.png"
         fig.savefig(path, dpi=110)
         paths.append(path)
     return paths
@@ -327,7 +331,38 @@ def _client_memory_lines() -> list[str]:
             f"memory above the loaded model {working}"]
 
 
-def write_table(rows: list[dict]) -> None:
+def longer_budget_lines(rows: list[dict]) -> list[str]:
+    """Rows run with more rounds than the headline budget (`--rounds`), and zofed's margin over each other
+    method on the seeds they share."""
+    if not rows:
+        return []
+    lines = ["## A longer budget", "",
+             "The same runs with more rounds (every other setting as above), to see whether zofed's per-client "
+             "block statistics, which ten rounds leave mostly at their prior, pay off once they have probes to fit. "
+             "Margins are zofed's, on the seeds both rows have.", "",
+             "| dataset | alpha | model | rounds | method | seeds | final accuracy (mean ± std) | client mean "
+             "| zofed's margin (points) | wall s (mean) |", "|" + "---|" * 10]
+    for (dataset, alpha, model, method), rs in _groups(rows).items():
+        for rounds in sorted({r["rounds"] for r in rs}):
+            same = [r for r in rs if r["rounds"] == rounds]
+            acc = np.array([r["final_accuracy"] for r in same])
+            by = {m: [r for r in group if r["rounds"] == rounds] for (d, a, mo, m), group in _groups(rows).items()
+                  if (d, a, mo) == (dataset, alpha, model)}
+            margin = ""
+            if method != "zofed" and by.get("zofed"):
+                seeds, z, other = _paired(by, method)
+                margin = f"{100 * (z - other):+.2f} ({len(seeds)} seeds)" if seeds else ""
+            lines.append(f"| {dataset} | {alpha} | {model} | {rounds} | {method} | {len(same)} "
+                         f"| {acc.mean():.4f} ± {acc.std():.4f} "
+                         f"| {np.mean([r['client_accuracy_mean'] for r in same]):.4f} | {margin} "
+                         f"| {np.mean([r['wall_seconds'] for r in same]):.0f} |")
+    figures = [path for rounds in sorted({r["rounds"] for r in rows})
+               for path in write_figures([r for r in rows if r["rounds"] == rounds], f"_r{rounds}")]
+    return [*lines, "", *[f"![{p.stem}]({p.name})" for p in figures], ""]
+
+
+def write_table(all_rows: list[dict]) -> None:
+    rows = [r for r in all_rows if r["rounds"] in (0, ROUNDS)]  # the headline budget; references have 0
     groups = _groups(rows)
     lines = ["# Federated methods on one budget", "",
              f"SmolLM2-135M with a prompt and label words; ZO methods perturb the RMSNorm gains (35,136 values), "
@@ -372,6 +407,8 @@ def write_table(rows: list[dict]) -> None:
               "centralized MeZO (same forward passes as one federated ZO run, on the pooled client data) are "
               "references, not federated.", ""]
     lines += [f"![{p.stem}]({p.name})" for p in figures]
+    longer = longer_budget_lines([r for r in all_rows if r["rounds"] not in (0, ROUNDS)])
+    lines += ["", *longer] if longer else []
     write_atomic_text(RESULTS / "federated.md", "\n".join(lines) + "\n")
 
 
@@ -382,11 +419,13 @@ def main() -> None:
     parser.add_argument("--alphas", type=float, nargs="*", default=[0.1, 1.0])
     parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1])
     parser.add_argument("--model", choices=list(MODELS), default="smollm2-135m")
+    parser.add_argument("--rounds", type=int, default=ROUNDS,
+                        help=f"rounds per run (default {ROUNDS}, the headline budget; others are rows of their own)")
     parser.add_argument("--jobs", type=int, default=1, help="rows run at once, each in its own process")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads per row")
     args = parser.parse_args()
-    if args.jobs < 1 or args.threads < 1:
-        parser.error("--jobs and --threads must be at least 1")
+    if args.jobs < 1 or args.threads < 1 or args.rounds < 1:
+        parser.error("--jobs, --threads and --rounds must be at least 1")
     if shared_data_dir() is None:
         print("skipped: ../shared/data not found (set ZOFED_SHARED_DATA to a folder holding sst2/ and agnews/)")
         return
@@ -397,12 +436,13 @@ def main() -> None:
         if "eval_curve" not in row and row["rounds"] and (ROOT / row["run_dir"] / "metrics.jsonl").is_file():
             row["eval_curve"] = _eval_curve(ROOT / row["run_dir"])
     table["meta"] = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
-                     "settings": [*COMMON, *BUDGET], "models": MODELS}
+                     "settings": [*COMMON, *BUDGET, f"federation.rounds={ROUNDS} unless a row's rounds say otherwise"],
+                     "models": MODELS}
     # Rows already present are skipped; zero-shot's test accuracy does not depend on the seed.
-    pending = [(method, dataset, alpha, seed, args.model) for dataset in args.datasets for alpha in args.alphas
-               for seed in args.seeds for method in args.methods
-               if row_key(method, dataset, alpha, seed, args.model) not in table["rows"]
-               and not (method == "zero-shot" and seed != args.seeds[0])]
+    pending = [(method, dataset, alpha, seed, args.model, args.rounds) for dataset in args.datasets
+               for alpha in args.alphas for seed in args.seeds for method in args.methods
+               if row_key(method, dataset, alpha, seed, args.model, args.rounds) not in table["rows"]
+               and not (method == "zero-shot" and (seed != args.seeds[0] or args.rounds != ROUNDS))]
     print(f"{len(pending)} rows to run, {args.jobs} at a time", flush=True)
     failed = []
     for key, row in run_rows(pending, args.jobs, args.threads):
