@@ -46,7 +46,9 @@ RESULTS = ROOT / "docs" / "results"
 # steps themselves. zofed-tilt adds the ZO-AdaMU-style lean of every direction towards the server's first moment.
 # zofed-blocks4 and zofed-blocks8 cut the 61 gains into 4 or 8 runs of layers instead of one block per tensor;
 # zofed-shared gives the round's clients DeComFL's shared step seeds, each still drawing blocks from its own pi.
+# zofed-cosine starts the server step at twice the default and lowers it along a cosine to zero at the last round.
 METHODS = ["zofed", "zofed-size-blocks", "zofed-tilt", "zofed-blocks4", "zofed-blocks8", "zofed-shared",
+           "zofed-cosine",
            "zofed-no-personal", "zofed-no-momentum", "zo-seeds", "decomfl",
            "fedkseed", "fedmezo", "fedavg", "fedadam"]
 REFERENCES = ["zero-shot", "centralized-mezo"]
@@ -66,6 +68,7 @@ METHOD_SETTINGS = {
     "zofed": [], "zofed-size-blocks": ["federation.sampling.mix=1.0"], "zofed-tilt": ["federation.sampling.tilt=0.5"],
     "zofed-blocks4": ["federation.sampling.blocks=4"], "zofed-blocks8": ["federation.sampling.blocks=8"],
     "zofed-shared": ["federation.sampling.shared_seeds=true"],
+    "zofed-cosine": ["federation.server_optimizer.decay=cosine", "federation.server_optimizer.lr=2e-2"],
     "zofed-no-personal": ["federation.sampling.personalize=false"],
     "zofed-no-momentum": ["federation.server_optimizer.name=sgd"],
     "zo-seeds": [], "decomfl": [], "fedkseed": ["federation.pool_size=64"], "fedmezo": [],

@@ -145,11 +145,24 @@ def test_first_order_methods_name_their_server_optimizer(tiny_workspace, tmp_pat
 def test_zofed_defaults_to_relative_block_adam_and_other_choices_do_not_inherit_it():
     """zofed's server step is relative by default; an optimizer the user names instead takes its own absolute lr,
     and an explicit relative=false wins."""
-    zofed = ServerOptimizerSection().build("zofed")
+    zofed = ServerOptimizerSection().build("zofed", 10)
     assert (zofed.name, zofed.granularity, zofed.relative, zofed.lr) == ("adam", "block", True, 1e-2)
-    yogi = ServerOptimizerSection(name="yogi").build("zofed")
+    yogi = ServerOptimizerSection(name="yogi").build("zofed", 10)
     assert not yogi.relative and yogi.lr == 3e-3
-    absolute = ServerOptimizerSection(relative=False).build("zofed")
+    absolute = ServerOptimizerSection(relative=False).build("zofed", 10)
     assert not absolute.relative and absolute.lr == 3e-3
-    assert not ServerOptimizerSection().build("zo-seeds").relative
-    assert not ServerOptimizerSection().build("fedadam").relative
+    assert not ServerOptimizerSection().build("zo-seeds", 10).relative
+    assert not ServerOptimizerSection().build("fedadam", 10).relative
+    assert ServerOptimizerSection().build("zofed", 10).decay_rounds == 0
+    assert ServerOptimizerSection(decay="cosine").build("zofed", 10).decay_rounds == 10
+
+
+def test_a_cosine_server_step_cannot_be_stretched_over_more_rounds_on_resume(tiny_workspace, tmp_path):
+    """The cosine schedule spans the run's rounds, so a resume that adds rounds would change every step after
+    it: refused with the setting named. A constant step resumes over more rounds."""
+    out = tmp_path / "run"
+    run_federated(_config(tiny_workspace, out, "federation.rounds=1", "federation.server_optimizer.decay=cosine"),
+                  show_progress=False)
+    with pytest.raises(ConfigError, match=r"federation.server_optimizer.decay_rounds \(1 -> 2\)"):
+        run_federated(_config(tiny_workspace, out, "federation.rounds=2", "federation.server_optimizer.decay=cosine"),
+                      resume=True, show_progress=False)

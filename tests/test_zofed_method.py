@@ -148,6 +148,25 @@ def test_block_granularity_keeps_the_direction_inside_a_block():
         ServerOptimizer("adam", granularity="layer")
 
 
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_cosine_decay_shrinks_the_server_step_to_zero_over_the_run(name):
+    """With decay_rounds R the r-th round moves the weights by lr (1 + cos(pi r / R)) / 2 times what a constant
+    lr moves them, for the same state and update; the state's round counter carries the schedule."""
+    gen = torch.Generator().manual_seed(0)
+    deltas = [[torch.randn(6, generator=gen)] for _ in range(4)]
+    constant, decayed = ServerOptimizer(name, lr=0.1), ServerOptimizer(name, lr=0.1, decay_rounds=4)
+    assert [decayed.lr_at(r) for r in (0, 2, 4, 9)] == pytest.approx([0.1, 0.05, 0.0, 0.0])
+    a, b = [torch.ones(6)], [torch.ones(6)]
+    sa, sb = constant.init(a), decayed.init(b)
+    for r, d in enumerate(deltas):
+        before_a, before_b = a[0].clone(), b[0].clone()
+        sa, sb = constant.apply(a, sa, d), decayed.apply(b, sb, d)
+        factor = 0.5 * (1 + np.cos(np.pi * r / 4))
+        assert torch.allclose(b[0] - before_b, factor * (a[0] - before_a), atol=1e-7)
+    with pytest.raises(ValueError, match="decay_rounds"):
+        ServerOptimizer("adam", decay_rounds=-1)
+
+
 def test_expected_update_square_matches_the_mean_square_of_personalized_steps():
     """Over many rounds of two clients' one-block steps on a linear loss, the blocks' mean d^2 equals what
     expected_update_square predicts from the true block energies |grad_b|^2 and the blocks drawn. (Blocks

@@ -12,6 +12,10 @@ block's step size, which suits ZO pseudo-gradients (noise spread evenly over a b
 division would turn into sign noise), and the state to send to clients is one number per block.
 `sgd` is x <- x + lr d (lr 1 is plain averaging of the updates).
 
+`decay_rounds=R` lowers lr along a cosine, from lr in the first round to zero after R rounds. A normalized step
+keeps its length when the rebuilt update is mostly noise, as it is once the easy progress is made; the decay
+shrinks it instead (0 keeps lr constant).
+
 `relative=True` multiplies each tensor's step by its own root mean square before the step (a layer-wise trust
 ratio, as in LAMB): lr becomes a relative step, so a small-valued tensor (a freshly drawn classifier head,
 std 0.02) is not moved as far as a unit-scale gain. A tensor that is all zeros moves by lr, as if absolute.
@@ -22,6 +26,7 @@ coefficients a client replays), because only its step is a linear combination of
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -44,6 +49,7 @@ class ServerOptimizer:
     granularity: str = "coordinate"
     warm_start: bool = False  # block v starts from the energy a block's first round is expected to carry
     relative: bool = False  # each tensor's step is scaled by its own RMS (adam, yogi, amsgrad)
+    decay_rounds: int = 0  # cosine decay of lr to zero over this many rounds; 0 keeps lr constant
 
     def __post_init__(self) -> None:
         if self.name not in SERVER_OPTIMIZERS:
@@ -54,6 +60,14 @@ class ServerOptimizer:
             raise ValueError("a warm start needs a block-wise adaptive server optimizer (adam, yogi or amsgrad)")
         if self.relative and self.name == "sgd":
             raise ValueError("relative steps need an adaptive server optimizer (adam, yogi or amsgrad), not sgd")
+        if self.decay_rounds < 0:
+            raise ValueError(f"decay_rounds must be 0 (constant lr) or a number of rounds, not {self.decay_rounds}")
+
+    def lr_at(self, step: int) -> float:
+        """The lr of the round that follows `step` applied rounds."""
+        if not self.decay_rounds:
+            return self.lr
+        return self.lr * 0.5 * (1 + math.cos(math.pi * min(step, self.decay_rounds) / self.decay_rounds))
 
     @property
     def downlink_modes(self) -> tuple[str, ...]:
@@ -77,9 +91,10 @@ class ServerOptimizer:
         With `warm_start`, `expected_square` is each block's expected mean of d^2 this round: a block whose v
         is still zero starts from one round's worth of it, (1 - beta2) E[d^2], so its first step is in
         proportion to what its probes measured instead of a full-size sign step."""
+        lr = self.lr_at(state.step)
         if self.name == "sgd":
             for t, d in zip(tensors, delta, strict=True):
-                t.add_(d, alpha=self.lr)
+                t.add_(d, alpha=lr)
             return replace(state, step=state.step + 1)
         b = state.buffers
         for i, (t, d) in enumerate(zip(tensors, delta, strict=True)):
@@ -97,7 +112,7 @@ class ServerOptimizer:
             denom = v
             if self.name == "amsgrad":
                 denom = torch.maximum(b["vhat"][i], v, out=b["vhat"][i])
-            t.addcdiv_(m, denom.sqrt().add(self.tau), value=self.lr * self._trust(t))
+            t.addcdiv_(m, denom.sqrt().add(self.tau), value=lr * self._trust(t))
         return replace(state, step=state.step + 1)
 
     def _trust(self, tensor: torch.Tensor) -> float:

@@ -113,8 +113,9 @@ class ServerOptimizerSection(_Section):
     tau: float = Field(1e-6, gt=0)
     warm_start: bool = False  # block-wise only: a block's v starts from its expected first-round energy
     relative: bool | None = None  # adaptive only: each tensor's step is lr times its own RMS (a LAMB-style trust ratio)
+    decay: Literal["constant", "cosine"] = "constant"  # cosine: lr falls to zero over the run's federation.rounds
 
-    def build(self, method: str) -> ServerOptimizer:
+    def build(self, method: str, rounds: int) -> ServerOptimizer:
         default = METHOD_SERVER_DEFAULTS.get(method, METHOD_SERVER_DEFAULTS["zo-seeds"])
         name = self.name or default["name"]
         relative = self.relative if self.relative is not None else (name == default["name"] and default["relative"])
@@ -124,7 +125,8 @@ class ServerOptimizerSection(_Section):
         lr = self.lr if self.lr is not None else (default["lr"] if same_step else SERVER_LR[name])
         try:
             return ServerOptimizer(name, lr, self.beta1, self.beta2, self.tau,
-                                   self.granularity or default["granularity"], self.warm_start, relative)
+                                   self.granularity or default["granularity"], self.warm_start, relative,
+                                   rounds if self.decay == "cosine" else 0)
         except ValueError as err:  # settings that are each valid but do not go together
             raise ConfigError(f"federation.server_optimizer: {err}") from None
 
@@ -278,7 +280,7 @@ def _resolved_view(config: FinetuneConfig) -> dict[str, Any]:
     if isinstance(config, FederatedConfig):
         prefix = "federation.server_optimizer."
         flat = {k: v for k, v in flat.items() if not k.startswith(prefix)}
-        resolved = config.federation.server_optimizer.build(config.federation.method)
+        resolved = config.federation.server_optimizer.build(config.federation.method, config.federation.rounds)
         flat.update({prefix + k: v for k, v in dataclasses.asdict(resolved).items()})
     return flat
 

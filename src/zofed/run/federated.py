@@ -168,7 +168,7 @@ def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Conso
     if first_order and fed.server_optimizer.name not in (None, SERVER_OPTIMIZER_OF[fed.method]):
         raise ConfigError(f"{fed.method} uses the {SERVER_OPTIMIZER_OF[fed.method]} server optimizer: set "
                           f"federation.server_optimizer.name={SERVER_OPTIMIZER_OF[fed.method]}")
-    server_optimizer = fed.server_optimizer.build(fed.method)
+    server_optimizer = fed.server_optimizer.build(fed.method, fed.rounds)
     out.mkdir(parents=True, exist_ok=True)
     dump_config(config, out / "config.yaml")
     setup = build(config)
