@@ -159,7 +159,7 @@ def test_zofed_defaults_to_relative_block_adam_and_other_choices_do_not_inherit_
 
 def test_a_cosine_server_step_cannot_be_stretched_over_more_rounds_on_resume(tiny_workspace, tmp_path):
     """The cosine schedule spans the run's rounds, so a resume that adds rounds would change every step after
-    it: refused with the setting named. A constant step resumes over more rounds."""
+    it: refused with the setting named (a constant step may resume over more rounds, tested above)."""
     out = tmp_path / "run"
     run_federated(_config(tiny_workspace, out, "federation.rounds=1", "federation.server_optimizer.decay=cosine"),
                   show_progress=False)
