@@ -22,8 +22,9 @@ import torch
 from zofed.data.builtin import shared_data_dir
 from zofed.run.checkpoint import find_checkpoint
 from zofed.run.config import load_config
-from zofed.run.finetune import build, finetune
+from zofed.run.finetune import finetune
 from zofed.run.metrics import MetricsLog
+from zofed.run.setup import build
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"

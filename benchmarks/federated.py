@@ -35,8 +35,9 @@ from zofed.fl.roles import peak_rss_mib
 from zofed.run.checkpoint import find_checkpoint, write_atomic_text
 from zofed.run.config import FederatedConfig, load_config
 from zofed.run.federated import per_client_accuracy, run_federated, worst_decile_mean
-from zofed.run.finetune import build, finetune
+from zofed.run.finetune import finetune
 from zofed.run.metrics import MetricsLog
+from zofed.run.setup import build
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"

@@ -30,7 +30,7 @@ def worker(num_clients: int) -> dict:
     from zofed.data.partition import PartitionConfig, client_splits
     from zofed.fl.client import ClientContext
     from zofed.run.config import FederatedConfig, load_config
-    from zofed.run.finetune import build
+    from zofed.run.setup import build
     from zofed.sim.engine import simulate
 
     config = load_config(None, [

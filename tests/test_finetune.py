@@ -13,7 +13,8 @@ from zofed.data.tasks import TaskConfig, make_task
 from zofed.models.selection import TrainableConfig, select_trainable
 from zofed.models.tiny import tiny_causal_lm
 from zofed.run.config import ConfigError, load_config
-from zofed.run.finetune import finetune, load_run
+from zofed.run.finetune import finetune
+from zofed.run.setup import load_run
 from zofed.zo.optim import make_optimizer
 from zofed.zo.step import zo_step
 

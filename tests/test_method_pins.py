@@ -74,7 +74,7 @@ def fingerprint(ws: Path, out: Path, overrides: list[str]) -> list[float]:
     run_federated(config, show_progress=False)
     start_dir = out.parent / f"{out.name}-start"
     start = tiny_federated_config(ws, start_dir, *overrides, "federation.rounds=1")
-    from zofed.run.finetune import build
+    from zofed.run.setup import build
 
     setup = build(start)
     initial = setup.trainable.state_dict()

@@ -192,7 +192,7 @@ def evaluate(
     examples: Annotated[int | None, typer.Option(help="evaluate only the first N test examples")] = None,
 ) -> None:
     """Evaluate a fine-tuned run's weights on its test split."""
-    from zofed.run.finetune import load_run
+    from zofed.run.setup import load_run
 
     try:
         setup = load_run(run_dir)

@@ -41,7 +41,7 @@ def client_worker(config_text: str) -> ClientWorker:
     from zofed.fl.client import ClientContext
     from zofed.fl.roles import ClientRole
     from zofed.flower.config import parse_config_text
-    from zofed.run.finetune import build
+    from zofed.run.setup import build
 
     config = parse_config_text(config_text)
     setup = build(config)

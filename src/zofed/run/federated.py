@@ -32,8 +32,8 @@ from zofed.fl.personal import BlockSampling
 from zofed.fl.roles import FederationPlan, ServerRole
 from zofed.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, write_atomic_text
 from zofed.run.config import ConfigError, FederatedConfig, check_resumed_config, dump_config
-from zofed.run.finetune import Setup, build, eval_indices, save_final
 from zofed.run.metrics import MetricsLog
+from zofed.run.setup import Setup, build, eval_indices, save_final
 from zofed.sim.engine import simulate
 
 

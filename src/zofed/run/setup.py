@@ -1,0 +1,106 @@
+"""What every run shares: the model, trainable selection, task and data built from one config.
+
+The centralized trainer (finetune.py), the federated runner (federated.py), the Flower apps and the benchmarks
+all start from `build`; `load_run` rebuilds a finished run's model with its trained tensors, and `save_final`
+writes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from zofed.data.builtin import BUILTIN_DATASETS, load_builtin, load_shared
+from zofed.data.sources import TextDataset, load_dataset_spec
+from zofed.data.tasks import Encoded, Task, make_task
+from zofed.models.registry import load_model
+from zofed.models.selection import TrainableParams, select_trainable
+from zofed.run.checkpoint import find_checkpoint, load_checkpoint
+from zofed.run.config import ConfigError, FinetuneConfig
+
+
+@dataclass
+class Setup:
+    """Everything a run (or an evaluation of its result) needs, built from one config."""
+
+    config: FinetuneConfig
+    model: torch.nn.Module
+    trainable: TrainableParams
+    task: Task
+    train: Encoded
+    test: Encoded
+    label_names: list[str] | None
+    train_data: TextDataset
+
+
+def load_splits(config: FinetuneConfig) -> tuple[TextDataset, TextDataset]:
+    """Train and test datasets named by the data section."""
+    data, seed = config.data, config.train.seed
+    if data.source in BUILTIN_DATASETS:
+        train, test = load_builtin(data.source, seed=seed)
+    elif data.source.startswith("shared:"):
+        train, test = load_shared(data.source.removeprefix("shared:"), seed=seed)
+    else:
+        options = {"format": data.format, "text_columns": data.text_columns, "label_column": data.label_column,
+                   "label_names": data.label_names}
+        train = load_dataset_spec(data.source, **options)
+        if data.test_source:
+            test = load_dataset_spec(data.test_source, **options)
+        else:  # no test file given: hold out a seeded fifth of the training file
+            train, test = train.train_test_split(0.2, seed)
+    if data.train_examples is not None and data.train_examples < len(train):
+        train = train.subset(np.random.default_rng(seed).permutation(len(train))[: data.train_examples])
+    if data.test_examples is not None and data.test_examples < len(test):
+        test = test.subset(np.random.default_rng(seed + 1).permutation(len(test))[: data.test_examples])
+    return train, test
+
+
+def build(config: FinetuneConfig) -> Setup:
+    """Data, model, trainable selection and task from the config (shared by centralized and federated runs)."""
+    train, test = load_splits(config)
+    num_classes = len(train.label_names) if train.label_names else None
+    kind = config.model.kind or ("encoder" if config.task.type == "encoder-classification" else "causal-lm")
+    loaded = load_model(config.model.name, kind=kind, num_labels=num_classes if kind == "encoder" else None,
+                        head_seed=config.trainable.init_seed)
+    model, trainable = select_trainable(loaded.model, config.trainable)
+    model.eval()
+    task = make_task(config.task, loaded.tokenizer, num_classes)
+    return Setup(config, model, trainable, task, task.encode(train), task.encode(test), train.label_names, train)
+
+
+def eval_indices(config: FinetuneConfig, test: Encoded) -> np.ndarray:
+    """The fixed test subset watched during training (the full test split is evaluated at the end)."""
+    n = min(config.data.eval_examples, len(test))
+    return np.sort(np.random.default_rng(config.train.seed + 2).permutation(len(test))[:n])
+
+
+def save_final(setup: Setup, out: Path) -> None:
+    final = out / "final"
+    final.mkdir(parents=True, exist_ok=True)
+    tmp = final / "trainable.safetensors.tmp"
+    save_file({k: v.contiguous() for k, v in setup.trainable.state_dict().items()}, str(tmp))
+    tmp.replace(final / "trainable.safetensors")
+
+
+def load_run(run_dir: str | Path) -> Setup:
+    """Rebuild a finished (or checkpointed) run's model with its trained tensors loaded."""
+    from zofed.run.config import load_config
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"{run_dir} is not a zofed run directory (no config.yaml)")
+    config = load_config(run_dir / "config.yaml")
+    setup = build(config)
+    final = run_dir / "final" / "trainable.safetensors"
+    if final.is_file():
+        setup.trainable.load_state_dict(load_file(str(final)))
+    elif find_checkpoint(run_dir / "checkpoint") is not None:
+        setup.trainable.load_state_dict(load_checkpoint(run_dir / "checkpoint")[0]["trainable"])
+    else:
+        raise ConfigError(f"{run_dir} holds no trained weights (final/ or checkpoint/)")
+    return setup
+
