@@ -7,7 +7,7 @@ from toy_federation import toy_clients, toy_context
 
 from zofed.fl.client import LocalTraining, run_client
 from zofed.fl.methods import METHODS, personalized, seed_plan
-from zofed.fl.protocol import encode, message_nbytes
+from zofed.fl.protocol import decode, encode, message_nbytes
 from zofed.fl.server import client_records, mean_update, rebuild_client_update
 from zofed.fl.server_opt import ServerOptimizer
 from zofed.sim.engine import simulate
@@ -117,13 +117,15 @@ def test_malformed_uplinks_are_rejected_with_a_reason_and_the_round_goes_on():
 
 
 def test_a_round_where_every_uplink_is_bad_keeps_the_model():
-    clean, _ = _run(rounds=1)
+    sent = []
+    clean, _ = _run(tamper=lambda r, c, d: sent.append(d) or d, rounds=1)  # passes every uplink through
     broken, history = _run(tamper=lambda r, c, d: b"", rounds=1)
     assert history[0]["accepted"] == 0 and len(history[0]["rejected"]) == 3
     ctx = toy_context(mode="lora")
     assert all(torch.equal(a, b) for a, b in zip(broken.global_tensors, ctx.trainable.tensors(), strict=True))
-    assert encode  # the encoder is what the run used; bytes were measured from it
-    assert clean.history[0]["bytes_up_per_client"] < 400
+    # The uplinks were the encoder's canonical bytes, and the recorded size is measured from exactly those bytes.
+    assert len(sent) == 3 and all(encode(decode(d)) == d for d in sent)
+    assert clean.history[0]["bytes_up_per_client"] == np.mean([len(d) for d in sent]) < 400
 
 
 def test_first_order_client_uploads_its_dense_update_and_leaves_no_gradients():
