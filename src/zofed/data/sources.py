@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from .catalog import BUILTIN_DATASETS
+
 FORMATS = ("csv", "tsv", "jsonl", "json", "label-text")
 _EXTENSIONS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "json", ".txt": "label-text"}
 _INT_RE = re.compile(r"[+-]?\d+")
@@ -459,8 +461,6 @@ def load_dataset_spec(source: str, **kwargs: Any) -> TextDataset:
         return load_hub(name, **kwargs)
     if Path(source).exists():
         return load_file(source, **kwargs)
-    from .builtin import BUILTIN_DATASETS  # lazy: builtin imports this module
-
     if source in BUILTIN_DATASETS:
         raise DataError(f"{source!r} is a built-in data set: load it with load_builtin({source!r})")
     raise DataError(

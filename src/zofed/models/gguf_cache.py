@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zofed.models.registry import BuiltinModel, ModelLoadError, cache_dir
+from zofed.models.catalog import BuiltinModel, ModelLoadError, cache_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

