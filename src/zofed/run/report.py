@@ -2,7 +2,9 @@
 
 Three figures: accuracy on the fixed test subset against rounds, the same against cumulative uplink bytes per
 client (log scale: seed-and-scalar methods and dense-upload methods differ by orders of magnitude), and the
-spread of the final global model's accuracy over the clients' own held-out data.
+spread of the final global model's accuracy over the clients' own held-out data. A run whose clients hold no
+test examples (`federation.partition.test_fraction=0`) has no per-client accuracy: it is left out of the spread
+(the panel too, when no run has one) and its table cells say "n/a".
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ def _figure(runs: list[RunSummary], out: Path) -> None:
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator, NullFormatter
 
-    fig = Figure(figsize=(15, 4.2))
-    by_round, by_bytes, spread = fig.subplots(1, 3)
+    evaluated = [run for run in runs if run.results.get("client_accuracies")]
+    fig = Figure(figsize=(15 if evaluated else 10, 4.2))
+    by_round, by_bytes, *spread_axes = fig.subplots(1, 3 if evaluated else 2)
     for run in runs:
         label = f"{run.name} ({run.method})"
         by_round.plot(run.rounds, run.accuracy, marker="o", ms=3, label=label)
@@ -65,13 +68,23 @@ def _figure(runs: list[RunSummary], out: Path) -> None:
     by_bytes.set(xscale="log", xlabel="cumulative uplink bytes per client", title="accuracy against bytes sent")
     by_bytes.xaxis.set_minor_formatter(NullFormatter())  # minor labels on a log axis overlap
     by_round.xaxis.set_major_locator(MaxNLocator(integer=True))
-    spreads = [run.results.get("client_accuracies") or [np.nan] for run in runs]
-    spread.boxplot(spreads, tick_labels=[run.name for run in runs])
-    spread.set(ylabel="accuracy on each client's own test split", title="per-client accuracy (final model)")
-    spread.tick_params(axis="x", labelrotation=20)
+    if evaluated:
+        (spread,) = spread_axes
+        spread.boxplot([run.results["client_accuracies"] for run in evaluated],
+                       tick_labels=[run.name for run in evaluated])
+        spread.set(ylabel="accuracy on each client's own test split", title="per-client accuracy (final model)")
+        spread.tick_params(axis="x", labelrotation=20)
+        skipped = [run.name for run in runs if run not in evaluated]
+        if skipped:  # say why a run is missing from this panel
+            spread.set_xlabel(f"n/a (no client test examples): {', '.join(skipped)}", fontsize="small")
     by_round.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
+
+
+def _or_na(value: float | None) -> str:
+    """A per-client figure, or "n/a" for a run whose clients held no test examples (results.json has null)."""
+    return "n/a" if value is None else f"{value:.4f}"
 
 
 def _markdown(runs: list[RunSummary]) -> str:
@@ -80,7 +93,7 @@ def _markdown(runs: list[RunSummary]) -> str:
     for run in runs:
         r = run.results
         lines.append(f"| {run.name} | {run.method} | {r['rounds']} | {r['test']['accuracy']:.4f} "
-                     f"| {r['client_accuracy_mean']:.4f} | {r['client_accuracy_worst10']:.4f} "
+                     f"| {_or_na(r.get('client_accuracy_mean'))} | {_or_na(r.get('client_accuracy_worst10'))} "
                      f"| {r['bytes_up_per_client_round']:,.0f} | {r['bytes_down_per_client_round']:,.0f} "
                      f"| {r['forward_passes']:,} | {r['rejected_uplinks']} |")
     return "\n".join(lines) + "\n"
