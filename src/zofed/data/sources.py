@@ -391,11 +391,13 @@ def load_hub(
 ) -> TextDataset:
     """Load a split of a Hugging Face hub data set (needs network or a warm local cache).
 
-    Label names come from the data set's ClassLabel feature when it has one.
+    ``split`` is any split expression ``datasets`` accepts ("test", "train[:10%]"). Label names come from
+    the data set's ClassLabel feature when it has one.
     """
     import datasets  # imported lazily: it is slow to import and only needed here
     from huggingface_hub.errors import HfHubHTTPError
 
+    spec = f"hub:{name}" + (f":{config}" if config else "")
     try:
         ds = datasets.load_dataset(name, config, split=split)
     except (ConnectionError, TimeoutError, FileNotFoundError, HfHubHTTPError) as e:
@@ -405,9 +407,14 @@ def load_hub(
             f"({type(e).__name__}: {e}). Local files work offline: pass a .csv/.tsv/.jsonl/.json/.txt path "
             "(set HF_HUB_OFFLINE=1 to fail fast without retries)."
         ) from e
+    except ValueError as e:
+        if "split" not in str(e).lower():
+            raise
+        # datasets says 'Unknown split "tst". Should be one of [...]' (or rejects a bad split expression).
+        raise DataError(f"{spec}: cannot load split {split!r} ({e}); name the split as {spec}[SPLIT]") from e
     return hf_to_text_dataset(
         ds,
-        source=f"hub:{name}[{split}]",
+        source=f"{spec}[{split}]",
         text_columns=text_columns,
         label_column=label_column,
         label_names=label_names,
@@ -451,12 +458,46 @@ def hf_to_text_dataset(
     )
 
 
+# Options that only mean something for a local file; a hub data set has no file format, encoding or lines.
+_FILE_ONLY_OPTIONS = ("format", "encoding", "on_bad_lines")
+
+
+def parse_hub_source(source: str) -> tuple[str, str | None, str | None]:
+    """Split ``hub:NAME[:CONFIG][[SPLIT]]`` into (name, config, split); None for the parts not given.
+
+    e.g. ``hub:imdb[test]``, ``hub:glue:sst2[validation]``, ``hub:imdb[train[:10%]]`` (a datasets slice).
+    """
+    rest = source.removeprefix("hub:")
+    split = None
+    if rest.endswith("]") and "[" in rest:
+        # The first "[" opens the split: hub names and config names never hold one, slices like train[:10%] do.
+        rest, _, split = rest[:-1].partition("[")
+        if not split.strip():
+            raise DataError(f"{source}: empty split in brackets; write e.g. hub:NAME[test]")
+    elif "[" in rest or "]" in rest:
+        raise DataError(f"{source}: a split goes in brackets at the end, e.g. hub:NAME[test] or hub:NAME:CONFIG[test]")
+    name, _, config = rest.partition(":")
+    if not name:
+        raise DataError(f"{source}: no data set name after 'hub:'")
+    return name, config or None, split
+
+
 def load_dataset_spec(source: str, **kwargs: Any) -> TextDataset:
-    """Load from a file path or ``hub:NAME`` (``hub:NAME:CONFIG``; split defaults to "train")."""
+    """Load from a file path or ``hub:NAME[:CONFIG][[SPLIT]]`` (the split defaults to "train").
+
+    ``kwargs`` go to :func:`load_file` or :func:`load_hub`; the file-only ones (format, encoding,
+    on_bad_lines) are dropped for hub sources, so one set of options serves a file and a hub split alike.
+    """
     if source.startswith("hub:"):
-        name, _, config = source[len("hub:") :].partition(":")
+        name, config, split = parse_hub_source(source)
+        for key in _FILE_ONLY_OPTIONS:
+            kwargs.pop(key, None)
         if config:
             kwargs.setdefault("config", config)
+        if split is not None:
+            if kwargs.get("split", split) != split:
+                raise DataError(f"{source}: names split {split!r} but split={kwargs['split']!r} was passed too")
+            kwargs["split"] = split
         kwargs.setdefault("split", "train")
         return load_hub(name, **kwargs)
     if Path(source).exists():

@@ -35,9 +35,11 @@ class ModelSection(_Section):
 
 
 class DataSection(_Section):
-    source: str = "tweets"  # built-in name, file path, or hub:NAME
-    test_source: str | None = None  # file/hub split for testing; built-ins bring their own test split
-    format: str | None = None
+    # A built-in name, a file path, or hub:NAME[:CONFIG][[SPLIT]]: hub:imdb (split train), hub:imdb[test],
+    # hub:glue:sst2[validation]. No test_source: a seeded fifth of the source is held out for testing.
+    source: str = "tweets"
+    test_source: str | None = None  # file or hub split for testing (hub:imdb[test]); built-ins bring their own
+    format: str | None = None  # files only; None infers it from the extension
     text_columns: list[str] | None = None
     label_column: str | None = "label"
     label_names: list[str] | None = None
