@@ -26,8 +26,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # flower_local: the local-deployment harness
+from flower_local import run_insecure
+
 from zofed.flower.deploy import write_app
-from zofed.flower.local import run_insecure
 from zofed.flower.simulation import run_flower_simulation
 from zofed.models.tiny import tiny_causal_lm
 from zofed.run.checkpoint import write_atomic_text

@@ -2,7 +2,7 @@
 carrying the partition) and `flwr run` of the app `zofed flower-app` writes; then the same with TLS and
 SuperNode authentication, where a SuperNode whose key was never registered is refused.
 
-Every process a test starts is stopped by its PID in a `finally` (zofed.flower.local), with the processes
+Every process a test starts is stopped by its PID in a `finally` (tests/flower_local.py), with the processes
 Flower started under it (SuperExec, ServerApp and ClientApp processes); every wait has a timeout so a hang
 fails the test instead of blocking CI.
 """
@@ -19,10 +19,10 @@ from safetensors.torch import load_file
 
 pytest.importorskip("flwr", reason="the Flower backend needs flwr (pip install 'zofed[flower]')")
 
+from flower_local import LocalDeployment, free_port, run_insecure  # noqa: E402
 from toy_federation import tiny_federated_config  # noqa: E402
 
 from zofed.flower.deploy import write_app  # noqa: E402
-from zofed.flower.local import LocalDeployment, free_port, run_insecure  # noqa: E402
 from zofed.run.federated import run_federated  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,8 +1,9 @@
-"""A Flower deployment on one machine: a SuperLink and SuperNodes as real processes on 127.0.0.1.
+"""Test harness: a Flower deployment on one machine, a SuperLink and SuperNodes as real processes on 127.0.0.1.
 
-For trying a deployment before spreading it over machines, for the deployment tests and the benchmark. Each
-process gets its own FLWR_HOME (as it would on its own machine), a log file, and is stopped by its PID
-together with the processes Flower starts under it (SuperExec, ServerApp and ClientApp processes).
+Used by the deployment tests (tests/test_flower_deploy.py) and the Flower benchmark (benchmarks/flower.py); not
+part of the zofed package. Each process gets its own FLWR_HOME (as it would on its own machine), a log file,
+and is stopped by its PID together with the processes Flower starts under it (SuperExec, ServerApp and
+ClientApp processes).
 """
 
 from __future__ import annotations
