@@ -40,6 +40,8 @@ class DataSection(_Section):
     source: str = "tweets"
     test_source: str | None = None  # file or hub split for testing (hub:imdb[test]); built-ins bring their own
     format: str | None = None  # files only; None infers it from the extension
+    encoding: str = "utf-8"  # files only: a Python codec name for legacy files, e.g. cp1252 or latin-1
+    on_bad_lines: Literal["error", "skip"] = "error"  # files only; skip leaves unusable lines out, and says which
     text_columns: list[str] | None = None
     label_column: str | None = "label"
     label_names: list[str] | None = None

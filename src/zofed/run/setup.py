@@ -45,7 +45,8 @@ def load_splits(config: FinetuneConfig) -> tuple[TextDataset, TextDataset]:
     elif data.source.startswith("shared:"):
         train, test = load_shared(data.source.removeprefix("shared:"), seed=seed)
     else:
-        options = {"format": data.format, "text_columns": data.text_columns, "label_column": data.label_column,
+        options = {"format": data.format, "encoding": data.encoding, "on_bad_lines": data.on_bad_lines,
+                   "text_columns": data.text_columns, "label_column": data.label_column,
                    "label_names": data.label_names}
         train = load_dataset_spec(data.source, **options)
         if data.test_source:
