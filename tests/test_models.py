@@ -28,6 +28,7 @@ from zofed.models.registry import (
     load_model,
     resolve_model_dir,
 )
+from zofed.models.selection import TrainableConfig, select_trainable
 from zofed.models.tiny import tiny_causal_lm, tiny_encoder, tiny_tokenizer
 
 SMOLLM2 = "smollm2-135m"
@@ -369,3 +370,22 @@ def test_minilm_loads_as_encoder(offline: None) -> None:
     assert logits.shape == (2, 3)
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
     assert not loaded.model.training
+
+
+# --------------------------------------------------------------------------- trainable selection: user mistakes
+
+
+def test_lora_targets_that_match_no_module_name_the_key_and_the_layers() -> None:
+    tiny = tiny_causal_lm(seed=0)
+    with pytest.raises(ModelLoadError, match=r"trainable\.lora_targets \['qproj'\] do not fit this model") as info:
+        select_trainable(tiny.model, TrainableConfig(mode="lora", lora_targets=["qproj"]))
+    assert "'q_proj'" in str(info.value) and "'v_proj'" in str(info.value)  # the names that would have worked
+    with pytest.raises(ModelLoadError, match=r"trainable\.lora_targets \['norm'\]"):  # exists, but not a Linear
+        select_trainable(tiny_causal_lm(seed=0).model, TrainableConfig(mode="lora", lora_targets=["norm"]))
+
+
+def test_patterns_that_match_nothing_or_do_not_compile_name_the_key() -> None:
+    with pytest.raises(ModelLoadError, match=r"trainable\.patterns \['nothing_here'\].*match no parameter"):
+        select_trainable(tiny_causal_lm(seed=0).model, TrainableConfig(mode="patterns", patterns=["nothing_here"]))
+    with pytest.raises(ModelLoadError, match=r"trainable\.also_train: 'head\[' is not a regular expression"):
+        select_trainable(tiny_causal_lm(seed=0).model, TrainableConfig(mode="all", also_train=["head["]))

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import re
+import string
 from dataclasses import dataclass
 from typing import Literal
 
@@ -17,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from zofed.data.sources import TextDataset
+from zofed.data.sources import DataError, TextDataset
 
 TaskType = Literal["prompt-classification", "encoder-classification", "causal-lm"]
 INSTRUCTION_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{context}\n\n### Response:\n"
@@ -56,19 +58,49 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def template_fields(template: str) -> set[str]:
+    """The example fields a prompt template reads ({text} -> "text"); a DataError naming task.template if it is
+    not a format string whose fields all have names."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as err:  # e.g. a lone "{" or "}"
+        raise DataError(f"task.template {template!r} is not a valid template ({err}); fields are written "
+                        "{text}, a literal brace {{ or }}") from None
+    names = {re.split(r"[.\[]", name)[0] for _, name, _, _ in parsed if name is not None}
+    if "" in names or any(name.isdigit() for name in names):
+        raise DataError(f"task.template {template!r} has a field without a name ({{}} or {{0}}); name the example "
+                        "field, e.g. {text}")
+    return names
+
+
+def _check_fields(template: str, data: TextDataset, available: set[str]) -> None:
+    missing = template_fields(template) - available
+    if missing:
+        raise DataError(f"task.template uses {', '.join('{' + m + '}' for m in sorted(missing))}, but the examples "
+                        f"of {data.name} have the fields {sorted(available)} (data.text_columns picks them)")
+
+
 class Task:
     """Common batching and evaluation; subclasses define encoding and the per-batch logits/loss."""
+
+    # A classification template that reads no field gives every example the same input: nothing to learn.
+    template_needs_a_field = True
 
     def __init__(self, tokenizer, config: TaskConfig) -> None:
         self.tokenizer = tokenizer
         self.config = config
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.template = config.template
+        if not template_fields(config.template) and self.template_needs_a_field:
+            raise DataError(f"task.template {config.template!r} uses no example field, so every example would read "
+                            "the same; put {text} (or another data field) where the example goes")
 
     def _render(self, fields: dict[str, str]) -> str:
         try:
-            return self.config.template.format(**fields)
-        except KeyError as err:
-            raise ValueError(f"prompt template uses field {err} but examples have {sorted(fields)}") from None
+            return self.template.format(**fields)
+        except KeyError as err:  # examples whose fields differ from the first one's
+            raise DataError(f"task.template uses the field {{{err.args[0]}}} but an example has only the fields "
+                            f"{sorted(fields)} (data.text_columns picks them)") from None
 
     def _tokenize(self, text: str) -> list[int]:
         ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
@@ -77,7 +109,10 @@ class Task:
 
     def encode(self, data: TextDataset) -> Encoded:
         if data.labels is None:
-            raise ValueError(f"dataset {data.name} has no labels; {self.config.type} needs them")
+            raise DataError(f"{data.name} has no labels, and task.type {self.config.type} needs them "
+                            "(data.label_column names the label column)")
+        if data.fields:
+            _check_fields(self.template, data, set(data.fields[0]))
         ids = [self._tokenize(self._render(f)) for f in data.fields]
         return Encoded(ids, np.asarray(data.labels, dtype=np.int64))
 
@@ -124,13 +159,16 @@ class PromptClassification(Task):
     def __init__(self, tokenizer, config: TaskConfig, num_classes: int) -> None:
         super().__init__(tokenizer, config)
         if len(config.verbalizer) != num_classes:
-            raise ValueError(f"verbalizer has {len(config.verbalizer)} words for {num_classes} classes")
+            raise DataError(f"task.verbalizer has {len(config.verbalizer)} words {config.verbalizer} for the data's "
+                            f"{num_classes} classes; give one word per class, in the order of the label names")
         ids = [tokenizer(w, add_special_tokens=False)["input_ids"] for w in config.verbalizer]
-        if any(len(i) == 0 for i in ids):
-            raise ValueError(f"a verbalizer word encodes to no token: {config.verbalizer}")
+        empty = [w for w, i in zip(config.verbalizer, ids, strict=True) if not i]
+        if empty:
+            raise DataError(f"task.verbalizer words {empty} encode to no token; pick real words")
         self.label_token_ids = torch.tensor([i[0] for i in ids])
         if len(set(self.label_token_ids.tolist())) != num_classes:
-            raise ValueError(f"verbalizer words {config.verbalizer} share their first token; pick distinct words")
+            raise DataError(f"task.verbalizer words {config.verbalizer} share their first token, so the model could "
+                            "not tell their classes apart; pick words that start differently")
 
     def logits(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         lm = _unwrap(model)
@@ -153,13 +191,20 @@ class EncoderClassification(Task):
 class CausalLM(Task):
     """Instruction tuning: the loss covers the response (and end-of-sequence) tokens only."""
 
+    template_needs_a_field = False  # a fixed instruction before each response is a valid causal-lm prompt
+
+    def __init__(self, tokenizer, config: TaskConfig) -> None:
+        super().__init__(tokenizer, config)
+        self.template = config.template if config.template != "{text}" else INSTRUCTION_TEMPLATE
+
     def encode(self, data: TextDataset) -> Encoded:
         ids, prompt_lengths = [], []
         eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        if data.fields:
+            _check_fields(self.template, data, {"instruction", "context", *data.fields[0]})
         for f in data.fields:
             fields = {"instruction": f.get("instruction", ""), "context": f.get("context", ""), **f}
-            template = self.config.template if self.config.template != "{text}" else INSTRUCTION_TEMPLATE
-            prompt = self.tokenizer(template.format(**fields), add_special_tokens=True)["input_ids"]
+            prompt = self.tokenizer(self._render(fields), add_special_tokens=True)["input_ids"]
             response = self.tokenizer(fields.get("response", ""), add_special_tokens=False)["input_ids"] + eos
             row = (prompt + response)[: self.config.max_length]
             ids.append(row)
@@ -200,7 +245,8 @@ class CausalLM(Task):
 def make_task(config: TaskConfig, tokenizer, num_classes: int | None) -> Task:
     if config.type == "prompt-classification":
         if not num_classes:
-            raise ValueError("prompt-classification needs a labelled dataset")
+            raise DataError("task.type prompt-classification needs labelled data (data.label_column names the "
+                            "label column); instruction data takes task.type causal-lm")
         return PromptClassification(tokenizer, config, num_classes)
     if config.type == "encoder-classification":
         return EncoderClassification(tokenizer, config)

@@ -14,6 +14,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from zofed.models.catalog import ModelLoadError
 from zofed.zo.optim import magnitude_masks
 
 SelectionMode = Literal["all", "lora", "patterns", "magnitude"]
@@ -64,9 +65,22 @@ class TrainableParams:
                 p.copy_(tensors[name])
 
 
-def _matching(model: torch.nn.Module, patterns: list[str]) -> list[tuple[str, torch.nn.Parameter]]:
-    compiled = [re.compile(p) for p in patterns]
+def _matching(model: torch.nn.Module, patterns: list[str], key: str) -> list[tuple[str, torch.nn.Parameter]]:
+    """Parameters whose names match any of `patterns` (regexes, from the config key `key`)."""
+    compiled = []
+    for pattern in patterns:
+        try:
+            compiled.append(re.compile(pattern))
+        except re.error as err:
+            raise ModelLoadError(f"{key}: {pattern!r} is not a regular expression ({err})") from None
     return [(n, p) for n, p in model.named_parameters() if any(c.search(n) for c in compiled)]
+
+
+def _linear_names(model: torch.nn.Module) -> list[str]:
+    """The last name part of each linear layer (what LoRA targets are matched against), for error messages."""
+    # GPT-2's projections are transformers' Conv1D, not nn.Linear; matched by name to spare the import.
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                   if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"})
 
 
 def select_trainable(model: torch.nn.Module, config: TrainableConfig) -> tuple[torch.nn.Module, TrainableParams]:
@@ -76,23 +90,29 @@ def select_trainable(model: torch.nn.Module, config: TrainableConfig) -> tuple[t
 
         lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=0.0,
                           target_modules=config.lora_targets, bias="none")
+        linear = _linear_names(model)  # before peft wraps the model
         try:
             with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG stream untouched
                 torch.manual_seed(config.init_seed)
                 model = get_peft_model(model, lora)
-        except ValueError as err:
-            raise ValueError(f"LoRA targets {config.lora_targets} do not fit this model: {err}") from None
+        except ValueError as err:  # peft: "Target modules {...} not found in the base model", or unsupported
+            raise ModelLoadError(
+                f"trainable.lora_targets {config.lora_targets} do not fit this model ({err}); its linear layers "
+                f"are named {linear}"
+            ) from None
         selected = [(n, p) for n, p in model.named_parameters() if "lora_" in n]
     elif config.mode == "all":
         selected = list(model.named_parameters())
     elif config.mode in ("patterns", "magnitude"):
-        selected = _matching(model, config.patterns or [".*"])
+        selected = _matching(model, config.patterns or [".*"], "trainable.patterns")
     else:
         raise ValueError(f"unknown trainable mode {config.mode!r}; choose all, lora, patterns or magnitude")
     names = {n for n, _ in selected}
-    selected += [(n, p) for n, p in _matching(model, config.also_train) if n not in names]
+    selected += [(n, p) for n, p in _matching(model, config.also_train, "trainable.also_train") if n not in names]
     if not selected:
-        raise ValueError(f"trainable selection {config.mode} with patterns {config.patterns} matched no parameter")
+        examples = [n for n, _ in model.named_parameters()][:4]
+        raise ModelLoadError(f"trainable.patterns {config.patterns} (trainable.mode {config.mode}) match no "
+                             f"parameter of this model; its parameters are named like {examples}")
     for p in model.parameters():
         p.requires_grad_(False)
     for n, p in selected:
