@@ -5,9 +5,9 @@ one batch of real tweets (every row exactly seq_len tokens), note the resident m
 reset the high-water mark, run one client's round of `--steps` local steps, and read VmHWM:
 
   inference  the loss of the batch under no_grad, twice per step (a ZO round's forward passes, without the ZO)
-  zofed      zofed's client round (fl/client.py run_client): one-block ZO steps on the RMSNorm gains, from the
+  zofed      zofed's client round (fl/methods/zofed.py): one-block ZO steps on the RMSNorm gains, from the
              clean copy the client keeps so the server's rebuild is exact
-  fedavg     FedAvg's client round (fl/first_order.py): back-propagation into LoRA (r 8 on q and v) with AdamW
+  fedavg     FedAvg's client round (fl/methods/first_order.py): back-propagation into LoRA (r 8 on q and v) with AdamW
 
 These are the trainable selections of the federated benchmark (docs/results/federated.md), whose rows take
 batch 8 of at most 64 tokens. Reported per size: the whole process's peak (model weights and runtime included)
@@ -31,9 +31,11 @@ import torch
 from zo_step import build  # benchmarks/ is the script's own directory, so first on sys.path
 
 from zofed.data.tasks import Encoded
-from zofed.fl.client import ClientContext, LocalTraining, run_client
-from zofed.fl.first_order import run_first_order_client
+from zofed.fl.client import ClientContext
+from zofed.fl.methods import get_method
+from zofed.fl.methods.first_order import run_first_order_client
 from zofed.fl.personal import block_sizes
+from zofed.fl.plan import LocalTraining
 from zofed.models.selection import TrainableConfig
 from zofed.run.checkpoint import write_atomic_text
 
@@ -71,8 +73,8 @@ def measure(mode: str, batch_size: int, seq_len: int, steps: int) -> dict:
                              else 1e-3, eps=1e-3, batch_size=batch_size)
         if mode == "zofed":
             sizes = block_sizes(trainable.tensors())
-            update, _ = run_client(ctx, global_tensors, 0, indices, plan, block_pi=(sizes / sizes.sum()).astype(
-                np.float32))
+            update, _ = get_method("zofed").train(ctx, global_tensors, 0, indices, plan,
+                                                  (sizes / sizes.sum()).astype(np.float32))
         else:
             update, _ = run_first_order_client(ctx, global_tensors, 0, indices, plan)
         losses = [update.metrics["train_loss"]]

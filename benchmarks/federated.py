@@ -31,7 +31,7 @@ import torch
 from zofed.data.builtin import shared_data_dir
 from zofed.data.partition import client_splits
 from zofed.data.tasks import Encoded
-from zofed.fl.roles import peak_rss_mib
+from zofed.fl.rounds import peak_rss_mib
 from zofed.run.checkpoint import find_checkpoint, write_atomic_text
 from zofed.run.config import FederatedConfig, load_config
 from zofed.run.federated import per_client_accuracy, run_federated, worst_decile_mean

@@ -29,6 +29,8 @@ SETTINGS = {"model": "minilm-l6", "trainable": "lora (query, value) + classifier
 def worker(num_clients: int) -> dict:
     from zofed.data.partition import PartitionConfig, client_splits
     from zofed.fl.client import ClientContext
+    from zofed.fl.plan import FederationPlan
+    from zofed.fl.roles import ServerRole
     from zofed.run.config import FederatedConfig, load_config
     from zofed.run.setup import build
     from zofed.sim.engine import simulate
@@ -43,9 +45,10 @@ def worker(num_clients: int) -> dict:
     ctx = ClientContext(setup.model, setup.trainable, setup.task, setup.train)
     Path("/proc/self/clear_refs").write_text("5")  # measure the federation, not the model load
     t0 = time.perf_counter()
-    result = simulate(ctx, [s.train for s in splits], method="zo-seeds", rounds=SETTINGS["rounds"],
-                      clients_per_round=SETTINGS["clients_per_round"], local_steps=SETTINGS["local_steps"],
-                      lr=1e-3, eps=1e-3, batch_size=SETTINGS["batch_size"])
+    plan = FederationPlan("zo-seeds", num_clients, SETTINGS["clients_per_round"], SETTINGS["local_steps"], lr=1e-3,
+                          eps=1e-3, batch_size=SETTINGS["batch_size"])
+    server = ServerRole(plan, ctx.trainable.tensors(), ctx.trainable.masks)
+    result = simulate(ctx, [s.train for s in splits], server, SETTINGS["rounds"])
     seconds = (time.perf_counter() - t0) / SETTINGS["rounds"]
     status = Path("/proc/self/status").read_text()
     peak_kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM"))

@@ -5,13 +5,30 @@ import pytest
 import torch
 from toy_federation import toy_clients, toy_context
 
-from zofed.fl.client import LocalTraining, run_client
-from zofed.fl.methods import METHODS, personalized, seed_plan
+from zofed.fl.aggregate import WeightedMean
+from zofed.fl.methods import get_method, method_names
+from zofed.fl.methods.base import step_records
+from zofed.fl.plan import FederationPlan, LocalTraining
 from zofed.fl.protocol import decode, encode, message_nbytes
-from zofed.fl.server import client_records, mean_update, rebuild_client_update
-from zofed.fl.server_opt import ServerOptimizer
+from zofed.fl.roles import ServerRole
+from zofed.fl.server import rebuild_client_update
+from zofed.fl.server_opt import make_server_optimizer
 from zofed.sim.engine import simulate
-from zofed.zo.perturb import Perturbation, merge_terms
+from zofed.zo.perturb import merge_terms
+
+
+def run_client(ctx, start, client_id, indices, local, server_state=None):
+    state = np.zeros(0, np.float32) if server_state is None else server_state
+    return get_method(local.method).train(ctx, start, client_id, indices, local, state)
+
+
+def rebuild(start, update, local, server_state=None):
+    return rebuild_client_update(get_method(local.method), start, update, local, None, server_state)
+
+
+def seed_plan(method, run_seed, round_id, client_id, steps, pool_size=0):
+    local = LocalTraining(method, run_seed, round_id, steps, lr=1e-2, eps=1e-2, pool_size=pool_size)
+    return get_method(method).step_seeds(local, client_id)
 
 
 def _plan(method, steps=3, round_id=0):
@@ -25,15 +42,15 @@ def _skewed_pi(blocks):
     return (w / w.sum()).astype(np.float32)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", method_names(first_order=False))
 def test_server_rebuilds_each_clients_exact_local_update(method):
     ctx = toy_context()
     start = [t.clone() for t in ctx.trainable.tensors()]
     plan = _plan(method)
-    pi = _skewed_pi(len(start)) if personalized(method) else None
+    pi = _skewed_pi(len(start)) if get_method(method).uses_sampling else None
     update, final = run_client(ctx, start, 2, toy_clients()[2], plan, pi)
     client_delta = torch.cat([(f - s).reshape(-1) for f, s in zip(final, start, strict=True)])
-    rebuilt = rebuild_client_update(start, update, plan, Perturbation(), pi)
+    rebuilt = rebuild(start, update, plan, pi)
     server_delta = torch.cat([r.reshape(-1) for r in rebuilt])
     assert client_delta.norm() > 0
     assert float((server_delta - client_delta).norm() / client_delta.norm()) <= 1e-5
@@ -46,21 +63,23 @@ def test_mean_update_is_the_weighted_mean_of_rebuilt_updates():
     start = [t.clone() for t in ctx.trainable.tensors()]
     plan = _plan("zo-seeds")
     updates = [run_client(ctx, start, k, idx, plan)[0] for k, idx in enumerate(toy_clients(3))]
-    mean = torch.cat([m.reshape(-1) for m in mean_update(start, updates, plan, Perturbation())])
+    server = ServerRole(FederationPlan("zo-seeds", 3, 3, 3, 1e-2, 1e-2), start)
+    contributions = [server.contribution(u, plan) for u in updates]
+    mean = torch.cat([m.reshape(-1) for m in WeightedMean().update(start, contributions, {})[0]])
     total = sum(u.num_examples for u in updates)
-    expected = sum(torch.cat([d.reshape(-1) for d in rebuild_client_update(start, u, plan, Perturbation())])
+    expected = sum(torch.cat([d.reshape(-1) for d in rebuild(start, u, plan)])
                    * (u.num_examples / total) for u in updates)
     assert float((mean - expected).norm() / expected.norm()) <= 1e-5
 
 
 def test_decomfl_clients_share_seeds_so_the_server_regenerates_steps_not_clients_times_steps():
     plans = [seed_plan("decomfl", 1, 3, client, 5) for client in range(4)]
-    assert all(p.step_seeds == plans[0].step_seeds for p in plans)
-    assert seed_plan("zo-seeds", 1, 3, 0, 5).step_seeds != seed_plan("zo-seeds", 1, 3, 1, 5).step_seeds
+    assert all(p.seeds == plans[0].seeds for p in plans)
+    assert seed_plan("zo-seeds", 1, 3, 0, 5).seeds != seed_plan("zo-seeds", 1, 3, 1, 5).seeds
     ctx = toy_context()
     start = [t.clone() for t in ctx.trainable.tensors()]
     updates = [run_client(ctx, start, k, idx, _plan("decomfl", steps=5))[0] for k, idx in enumerate(toy_clients(4))]
-    terms = [term for u in updates for r in client_records(u) for term in r.grad_terms()]
+    terms = [term for u in updates for r in step_records(u) for term in r.grad_terms()]
     assert len(terms) == 20 and len(merge_terms(terms)) == 5
 
 
@@ -68,7 +87,7 @@ def test_fedkseed_draws_only_from_its_pool():
     from zofed.fl.methods import kseed_pool
 
     pool = set(kseed_pool(9, 4).tolist())
-    seeds = {s for c in range(5) for s in seed_plan("fedkseed", 9, 0, c, 20, pool_size=4).step_seeds}
+    seeds = {s for c in range(5) for s in seed_plan("fedkseed", 9, 0, c, 20, pool_size=4).seeds}
     assert seeds <= pool and len(seeds) > 1
 
 
@@ -85,9 +104,9 @@ def test_seed_and_scalar_uplink_does_not_grow_with_the_model():
 def _run(tamper=None, rounds=3, method="zo-seeds"):
     ctx = toy_context(mode="lora")
     history = []
-    result = simulate(ctx, toy_clients(), method=method, rounds=rounds, clients_per_round=3, local_steps=2, lr=1e-2,
-                      eps=1e-2, run_seed=4, batch_size=8, server_optimizer=ServerOptimizer("adam", lr=1e-2),
-                      tamper=tamper, on_round=history.append)
+    plan = FederationPlan(method, 6, 3, 2, lr=1e-2, eps=1e-2, run_seed=4, batch_size=8)
+    server = ServerRole(plan, ctx.trainable.tensors(), ctx.trainable.masks, make_server_optimizer("adam", lr=1e-2))
+    result = simulate(ctx, toy_clients(), server, rounds, tamper=tamper, on_round=history.append)
     return result, history
 
 
@@ -107,7 +126,7 @@ def test_malformed_uplinks_are_rejected_with_a_reason_and_the_round_goes_on():
             return data[:-3]
         return data
 
-    from zofed.sim.engine import sample_clients
+    from zofed.fl.roles import sample_clients
 
     sampled = sample_clients(4, 1, 6, 3)
     _, history = _run(tamper)
@@ -129,7 +148,7 @@ def test_a_round_where_every_uplink_is_bad_keeps_the_model():
 
 
 def test_first_order_client_uploads_its_dense_update_and_leaves_no_gradients():
-    from zofed.fl.first_order import run_first_order_client
+    from zofed.fl.methods.first_order import run_first_order_client
 
     ctx = toy_context(mode="lora")
     start = [t.clone() for t in ctx.trainable.tensors()]
@@ -138,7 +157,7 @@ def test_first_order_client_uploads_its_dense_update_and_leaves_no_gradients():
     plan = LocalTraining("fedavg", 1, 0, local_steps=15, lr=5e-2, eps=1e-2, batch_size=16)
     update, final = run_first_order_client(ctx, start, 0, np.arange(120), plan)
     assert update.dense.size == sum(t.numel() for t in start) and update.grads.shape[0] == 0
-    rebuilt = rebuild_client_update(start, update, plan, Perturbation())
+    rebuilt = rebuild(start, update, plan)
     assert all(torch.allclose(r, f - s) for r, f, s in zip(rebuilt, final, start, strict=True))
     assert ctx.task.loss(ctx.model, batch) < before  # back-propagation really trained
     assert all(p.grad is None and not p.requires_grad for p in ctx.model.parameters())

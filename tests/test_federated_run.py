@@ -89,7 +89,7 @@ def test_federated_config_errors(tiny_workspace, tmp_path):
         _config(tiny_workspace, tmp_path, "federation.partition.alpha=0")
     with pytest.raises(ConfigError, match="MeZO locally"):
         run_federated(_config(tiny_workspace, tmp_path / "r", "optimizer.name=zo-adam"), show_progress=False)
-    with pytest.raises(ConfigError, match="warm start needs a block-wise adaptive"):
+    with pytest.raises(ConfigError, match="warm start needs a tensor-wise adaptive"):
         run_federated(_config(tiny_workspace, tmp_path / "w", "federation.method=zo-seeds",
                               "federation.server_optimizer.warm_start=true"), show_progress=False)
     with pytest.raises(ConfigError, match="relative steps need an adaptive"):
@@ -145,16 +145,18 @@ def test_first_order_methods_name_their_server_optimizer(tiny_workspace, tmp_pat
 def test_zofed_defaults_to_relative_block_adam_and_other_choices_do_not_inherit_it():
     """zofed's server step is relative by default; an optimizer the user names instead takes its own absolute lr,
     and an explicit relative=false wins."""
-    zofed = ServerOptimizerSection().build("zofed", 10)
-    assert (zofed.name, zofed.granularity, zofed.relative, zofed.lr) == ("adam", "block", True, 1e-2)
-    yogi = ServerOptimizerSection(name="yogi").build("zofed", 10)
-    assert not yogi.relative and yogi.lr == 3e-3
-    absolute = ServerOptimizerSection(relative=False).build("zofed", 10)
-    assert not absolute.relative and absolute.lr == 3e-3
-    assert not ServerOptimizerSection().build("zo-seeds", 10).relative
-    assert not ServerOptimizerSection().build("fedadam", 10).relative
-    assert ServerOptimizerSection().build("zofed", 10).decay_rounds == 0
-    assert ServerOptimizerSection(decay="cosine").build("zofed", 10).decay_rounds == 10
+    zofed = ServerOptimizerSection().resolved("zofed", 10)
+    assert (zofed["name"], zofed["granularity"], zofed["relative"], zofed["lr"]) == ("adam", "tensor", True, 1e-2)
+    assert [type(p).__name__ for p in ServerOptimizerSection().build("zofed", 10).pieces] == [
+        "Moments", "TrustRatio", "Schedule"]
+    yogi = ServerOptimizerSection(name="yogi").resolved("zofed", 10)
+    assert not yogi["relative"] and yogi["lr"] == 3e-3
+    absolute = ServerOptimizerSection(relative=False).resolved("zofed", 10)
+    assert not absolute["relative"] and absolute["lr"] == 3e-3
+    assert not ServerOptimizerSection().resolved("zo-seeds", 10)["relative"]
+    assert not ServerOptimizerSection().resolved("fedadam", 10)["relative"]
+    assert ServerOptimizerSection().resolved("zofed", 10)["decay_rounds"] == 0
+    assert ServerOptimizerSection(decay="cosine").build("zofed", 10).lr_at(10) == 0.0
 
 
 def test_a_cosine_server_step_cannot_be_stretched_over_more_rounds_on_resume(tiny_workspace, tmp_path):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from toy_federation import toy_clients, toy_context
 
-from zofed.fl.client import LocalTraining, run_client
+from zofed.fl.methods import get_method
 from zofed.fl.personal import (
     BlockSampling,
     BlockStats,
@@ -20,17 +20,28 @@ from zofed.fl.personal import (
     step_perturbation,
     tensor_blocks,
 )
+from zofed.fl.plan import FederationPlan, LocalTraining
 from zofed.fl.protocol import decode, message_nbytes
-from zofed.fl.roles import ClientRole, FederationPlan, ServerRole
+from zofed.fl.roles import ClientRole, ServerRole
 from zofed.fl.server import RoundInbox, rebuild_client_update
-from zofed.fl.server_opt import ServerOptimizer
+from zofed.fl.server_opt import make_server_optimizer as ServerOptimizer
 from zofed.zo.noise import derive_seed
-from zofed.zo.perturb import Perturbation, add_directions_
+from zofed.zo.perturb import add_directions_
+
+
+def run_client(ctx, start, client_id, indices, local, server_state=None):
+    """A client's local round under its method, from the server state its downlink carried."""
+    state = np.zeros(0, np.float32) if server_state is None else server_state
+    return get_method(local.method).train(ctx, start, client_id, indices, local, state)
+
+
+def rebuild(start, update, local, server_state=None):
+    return rebuild_client_update(get_method(local.method), start, update, local, None, server_state)
 
 
 def assert_rebuilt_exactly(start, update, final, round_plan, pi) -> None:
     """The server's rebuild of a client's update matches what the client applied (relative error <= 1e-5)."""
-    rebuilt = torch.cat([r.reshape(-1) for r in rebuild_client_update(start, update, round_plan, Perturbation(), pi)])
+    rebuilt = torch.cat([r.reshape(-1) for r in rebuild(start, update, round_plan, pi)])
     actual = torch.cat([(f - s).reshape(-1) for f, s in zip(final, start, strict=True)])
     assert actual.norm() > 0 and float((rebuilt - actual).norm() / actual.norm()) <= 1e-5
 
@@ -80,23 +91,23 @@ def test_distribution_follows_each_clients_own_block_energies():
 def test_server_rebuilds_a_personalized_clients_update_exactly_and_learns_its_blocks():
     ctx = toy_context()
     plan = FederationPlan("zofed", 6, 2, 4, lr=1e-2, eps=1e-2, run_seed=3, batch_size=8)
-    server = ServerRole(plan, ctx.trainable.tensors(), ctx.trainable.masks, ServerOptimizer("adam", 1e-2,
-                                                                                             granularity="block"))
+    server = ServerRole(plan, ctx.trainable.tensors(), ctx.trainable.masks,
+                        ServerOptimizer("adam", 1e-2, granularity="tensor"))
     round_plan = server.round_plan(0)
     start = [t.clone() for t in server.tensors]
     # Client 1's probes say its gradient lives in block 1: its distribution moves far from size-proportional.
     others = [b for b in range(len(start)) if b != 1]
-    server.stats.record(1, [1, 1, *others], [500.0, 600.0, *[1e-3] * len(others)])
+    server.method_state.stats.record(1, [1, 1, *others], [500.0, 600.0, *[1e-3] * len(others)])
     downlink = server.downlink(round_plan, 1)
     pi = decode(downlink).server_state
-    assert pi[1] > 3 * server.sizes[1] / server.sizes.sum()
+    assert pi[1] > 3 * server.method_state.sizes[1] / server.method_state.sizes.sum()
     update, final = run_client(ctx, start, 1, toy_clients()[1], round_plan, pi)
     assert_rebuilt_exactly(start, update, final, round_plan, pi)
     inbox = RoundInbox()
     server.receive(inbox, round_plan, 1, ClientRole(ctx).train(downlink, 1, toy_clients()[1], 0))
     server.aggregate(round_plan, inbox)
-    assert server.stats.client_counts[1].sum() == len(start) + 1 + 4
-    assert server.stats.global_counts.sum() == len(start) + 1 + 4
+    assert server.method_state.stats.client_counts[1].sum() == len(start) + 1 + 4
+    assert server.method_state.stats.global_counts.sum() == len(start) + 1 + 4
 
 
 def test_uplink_bytes_do_not_depend_on_the_model():
@@ -115,7 +126,7 @@ def test_uplink_bytes_do_not_depend_on_the_model():
 
 
 @pytest.mark.parametrize("name", ["adam", "yogi", "amsgrad"])
-@pytest.mark.parametrize("granularity", ["coordinate", "block"])
+@pytest.mark.parametrize("granularity", ["coordinate", "tensor"])
 @pytest.mark.parametrize("relative", [False, True])
 def test_server_optimizer_state_restores_to_a_bit_identical_continuation(name, granularity, relative):
     opt = ServerOptimizer(name, lr=0.1, granularity=granularity, relative=relative)
@@ -131,19 +142,16 @@ def test_server_optimizer_state_restores_to_a_bit_identical_continuation(name, g
         state = opt.apply(a, state, d)
         restored = opt.apply(b, restored, d)
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-    assert opt.block_state(state).size == (2 if granularity == "block" else 0)
 
 
 def test_block_granularity_keeps_the_direction_inside_a_block():
     d = [torch.tensor([1.0, -3.0, 0.5]), torch.tensor([2.0, 2.0])]
-    for granularity, parallel in (("block", True), ("coordinate", False)):
+    for granularity, parallel in (("tensor", True), ("coordinate", False)):
         t = [torch.zeros(3), torch.zeros(2)]
         opt = ServerOptimizer("adam", lr=1.0, granularity=granularity)
         opt.apply(t, opt.init(t), d)
         cosine = float(torch.nn.functional.cosine_similarity(t[0], d[0], dim=0))
         assert (abs(cosine - 1) < 1e-6) == parallel
-    assert ServerOptimizer("sgd").downlink_modes == ("weights", "log")
-    assert ServerOptimizer("yogi").downlink_modes == ("weights",)
     with pytest.raises(ValueError, match="granularity"):
         ServerOptimizer("adam", granularity="layer")
 
@@ -202,17 +210,17 @@ def test_warm_start_sizes_a_blocks_first_step_by_what_its_probes_measured():
     expected = [1.0, 1.0, 0.0]  # the third block was not probed this round
     moved = {}
     for warm in (False, True):
-        opt = ServerOptimizer("adam", lr=1.0, granularity="block", warm_start=warm)
+        opt = ServerOptimizer("adam", lr=1.0, granularity="tensor", warm_start=warm)
         t = [torch.zeros(4) for _ in d]
-        state = opt.apply(t, opt.init(t), d, expected)
+        state = opt.apply(t, opt.init(t), d, expected_square=expected)
         moved[warm] = [float(x.abs().mean()) for x in t]
         assert moved[warm][2] == 0 and float(state.buffers["v"][2]) == 0  # an unprobed block stays cold
     assert moved[False][0] == pytest.approx(moved[False][1], rel=1e-3)
     assert moved[True][0] > 5 * moved[True][1]
     assert moved[True][0] < moved[False][0]
-    for name, granularity in (("sgd", "block"), ("adam", "coordinate")):
+    for name, granularity in (("sgd", None), ("adam", "coordinate")):
         with pytest.raises(ValueError, match="warm start"):
-            ServerOptimizer(name, granularity=granularity, warm_start=True)
+            ServerOptimizer(name, warm_start=True, **({"granularity": granularity} if granularity else {}))
 
 
 def test_relative_steps_move_each_tensor_in_proportion_to_its_own_scale():
@@ -221,7 +229,7 @@ def test_relative_steps_move_each_tensor_in_proportion_to_its_own_scale():
     d = [torch.tensor([1.0, -1.0, 1.0, -1.0])] * 3
     moved = {}
     for relative in (False, True):
-        opt = ServerOptimizer("adam", lr=1e-2, granularity="block", relative=relative)
+        opt = ServerOptimizer("adam", lr=1e-2, granularity="tensor", relative=relative)
         t = [torch.full((4,), 1.0), torch.full((4,), 0.02), torch.zeros(4)]
         start = [x.clone() for x in t]
         opt.apply(t, opt.init(t), d)
@@ -241,7 +249,7 @@ def test_a_warm_started_server_round_moves_the_probed_blocks_by_less_than_full_s
     moved = {}
     for warm in (False, True):
         server = ServerRole(plan, ctx.trainable.tensors(), ctx.trainable.masks,
-                            ServerOptimizer("adam", 1e-2, granularity="block", warm_start=warm))
+                            ServerOptimizer("adam", 1e-2, granularity="tensor", warm_start=warm))
         round_plan, inbox = server.round_plan(0), RoundInbox()
         for client in (0, 1):
             uplink = ClientRole(ctx).train(server.downlink(round_plan, client), client, toy_clients()[client], 0)
@@ -257,9 +265,10 @@ def test_a_warm_started_server_round_moves_the_probed_blocks_by_less_than_full_s
 
 def test_momentum_tilted_steps_are_rebuilt_exactly_from_the_momentum_sent():
     ctx = toy_context()
-    plan = FederationPlan("zofed", 6, 2, 3, lr=1e-2, eps=1e-2, run_seed=3, batch_size=8)
+    plan = FederationPlan("zofed", 6, 2, 3, lr=1e-2, eps=1e-2, run_seed=3, batch_size=8,
+                          sampling=BlockSampling(tilt=0.5))
     server = ServerRole(plan, ctx.trainable.tensors(), ctx.trainable.masks,
-                        ServerOptimizer("adam", 1e-2, granularity="block"), BlockSampling(tilt=0.5))
+                        ServerOptimizer("adam", 1e-2, granularity="tensor"))
     client = ClientRole(ctx)
     for round_id in range(2):  # the first round gives the server a non-zero first moment
         round_plan, inbox = server.round_plan(round_id), RoundInbox()
@@ -270,17 +279,16 @@ def test_momentum_tilted_steps_are_rebuilt_exactly_from_the_momentum_sent():
     assert round_plan.tilt == 0.5
     start = [t.clone() for t in server.tensors]
     state = decode(server.downlink(round_plan, 4)).server_state
-    pi = state[:len(start)]
     tilt = MomentumTilt.from_flat(state[len(start):], start, 0.5)
     assert max(float(b.abs().max()) for b in tilt.buffers) > 0
-    update, final = run_client(ctx, start, 4, toy_clients()[4], round_plan, pi, tilt)
-    rebuilt = torch.cat([r.reshape(-1) for r in rebuild_client_update(start, update, round_plan, Perturbation(), pi,
-                                                                      tilt)])
+    update, final = run_client(ctx, start, 4, toy_clients()[4], round_plan, state)
+    rebuilt = torch.cat([r.reshape(-1) for r in rebuild(start, update, round_plan, state)])
     actual = torch.cat([(f - s).reshape(-1) for f, s in zip(final, start, strict=True)])
-    untilted = torch.cat([r.reshape(-1) for r in rebuild_client_update(start, update, round_plan, Perturbation(), pi)])
+    untilted = torch.cat([r.reshape(-1) for r in rebuild(start, update, replace(round_plan, tilt=0.0),
+                                                         state[:len(start)])])
     assert torch.equal(rebuilt, actual) and not torch.equal(untilted, actual)
     with pytest.raises(ValueError, match="momentum"):
-        ServerRole(plan, start, None, ServerOptimizer("sgd"), BlockSampling(tilt=0.5))
+        ServerRole(plan, start, None, ServerOptimizer("sgd"))
 
 
 def test_tensor_blocks_cut_the_model_into_contiguous_runs_balanced_by_size():
@@ -298,11 +306,12 @@ def test_grouped_blocks_perturb_whole_runs_of_tensors_and_are_rebuilt_exactly():
     """With blocks=2 every step moves every tensor of the drawn run, scaled by 1/sqrt(pi_b); the server draws
     the same runs, rebuilds the update exactly and files the probes under the two blocks."""
     ctx = toy_context()
-    plan = FederationPlan("zofed", 6, 2, 4, lr=1e-2, eps=1e-2, run_seed=3, batch_size=8)
+    plan = FederationPlan("zofed", 6, 2, 4, lr=1e-2, eps=1e-2, run_seed=3, batch_size=8,
+                          sampling=BlockSampling(blocks=2))
     server = ServerRole(plan, ctx.trainable.tensors(), ctx.trainable.masks,
-                        ServerOptimizer("adam", 1e-2, granularity="block"), BlockSampling(blocks=2))
+                        ServerOptimizer("adam", 1e-2, granularity="tensor"))
     round_plan = server.round_plan(0)
-    assert round_plan.blocks == 2 and server.stats.client_sums.shape == (6, 2)
+    assert round_plan.blocks == 2 and server.method_state.stats.client_sums.shape == (6, 2)
     start = [t.clone() for t in server.tensors]
     layout = tensor_blocks(start, 2)
     downlink = server.downlink(round_plan, 1)
@@ -315,24 +324,26 @@ def test_grouped_blocks_perturb_whole_runs_of_tensors_and_are_rebuilt_exactly():
     inbox = RoundInbox()
     server.receive(inbox, round_plan, 1, ClientRole(ctx).train(downlink, 1, toy_clients()[1], 0))
     server.aggregate(round_plan, inbox)
-    assert server.stats.client_counts[1].sum() == 4 and server.stats.global_counts.sum() == 4
+    assert server.method_state.stats.client_counts[1].sum() == 4 and server.method_state.stats.global_counts.sum() == 4
     with pytest.raises(ValueError, match="trainable tensors"):
-        ServerRole(plan, start, None, ServerOptimizer("adam", 1e-2, granularity="block"),
-                   BlockSampling(blocks=len(start) + 1))
+        ServerRole(replace(plan, sampling=BlockSampling(blocks=len(start) + 1)), start, None,
+                   ServerOptimizer("adam", 1e-2, granularity="tensor"))
 
 
 def test_shared_seeds_couple_the_clients_draws_and_are_rebuilt_exactly():
     """With shared seeds two clients of a round step along the same seeds: under the same pi they draw the
     same blocks; under different pis each draws from its own, and the server still rebuilds each exactly."""
     ctx = toy_context()
-    plan = FederationPlan("zofed", 6, 2, 6, lr=1e-2, eps=1e-2, run_seed=3, batch_size=8)
+    plan = FederationPlan("zofed", 6, 2, 6, lr=1e-2, eps=1e-2, run_seed=3, batch_size=8,
+                          sampling=BlockSampling(shared_seeds=True))
     server = ServerRole(plan, ctx.trainable.tensors(), ctx.trainable.masks,
-                        ServerOptimizer("adam", 1e-2, granularity="block"), BlockSampling(shared_seeds=True))
+                        ServerOptimizer("adam", 1e-2, granularity="tensor"))
     round_plan = server.round_plan(0)
     assert round_plan.shared_seeds == 1
     start = [t.clone() for t in server.tensors]
     others = list(range(1, len(start)))
-    server.stats.record(2, [0, 0, *others], [500.0, 600.0, *[1e-3] * len(others)])  # client 2 leans on block 0
+    # client 2 leans on block 0
+    server.method_state.stats.record(2, [0, 0, *others], [500.0, 600.0, *[1e-3] * len(others)])
     pis = {c: decode(server.downlink(round_plan, c)).server_state for c in (0, 1, 2)}
     updates = {c: run_client(ctx, start, c, toy_clients()[c], round_plan, pis[c]) for c in (0, 1, 2)}
     assert updates[0][0].base_seed == updates[1][0].base_seed == updates[2][0].base_seed

@@ -29,10 +29,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from zofed import streams
 from zofed.zo.noise import derive_seed
 from zofed.zo.perturb import Perturbation
-
-_DRAW_SLOT = 2**41  # derive_seed slot for the block draw, apart from the noise's own use of the step seed
 
 
 @dataclass(frozen=True)
@@ -185,7 +184,7 @@ def check_distribution(pi: np.ndarray, num_blocks: int) -> None:
 
 def draw_block(step_seed: int, pi: np.ndarray) -> int:
     """The block a step perturbs: a deterministic function of (step seed, pi) that client and server share."""
-    u = np.random.default_rng(derive_seed(step_seed, _DRAW_SLOT)).random()
+    u = np.random.default_rng(derive_seed(step_seed, streams.BLOCK_DRAW)).random()
     cdf = np.cumsum(pi.astype(np.float64))
     return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(pi) - 1))
 

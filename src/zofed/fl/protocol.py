@@ -9,9 +9,12 @@ The header holds the scalar fields under one-letter keys (a seed-and-scalar upli
 the header is a large share of it) and one [key, dtype, shape, byte length] entry per array:
 
     uplink:   r round_id, c client_id, b base_seed (null: explicit seeds), n num_examples, m metrics, a arrays
-              arrays s seeds, g grads, p personalization, d dense (only when not None)
-    downlink: r round_id, o mode, k config, a arrays
-              arrays s seeds, ls log_seeds, lc log_coeffs, ss server_state, w weights (only when not None)
+              arrays s seeds, g grads, d dense (only when not None)
+    downlink: r round_id, k config, a arrays
+              arrays ss server_state, w weights
+
+Version 2 dropped what no method sent: the uplink's personalization vector and the downlink's mode, seeds and
+update log (every downlink carries the weights).
 
 Decoding evaluates nothing: it parses JSON, compares each dtype string with the one its field requires and
 checks every length against the bytes at hand before reading, so untrusted bytes can only raise MessageError.
@@ -24,13 +27,13 @@ import math
 import numbers
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from zofed.zo.noise import derive_seed
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = b"ZOFD"
 KIND_UPLINK = 1
 KIND_DOWNLINK = 2
@@ -67,7 +70,6 @@ class ClientUpdate:
     seeds: np.ndarray  # uint64 (steps,); empty when base_seed is used
     base_seed: int | None  # uint64; step t's seed is derive_seed(base_seed, t), t = 0, 1, ... (see step_seeds)
     grads: np.ndarray  # float32 (steps, queries)
-    personalization: np.ndarray  # float32 (blocks,); must not grow with the model
     num_examples: int  # uint32
     metrics: dict[str, float]  # finite numbers, sent as JSON in the header
     dense: np.ndarray | None = None  # float32 flat update, for baselines that upload one (FedAvg, FedZO)
@@ -75,15 +77,11 @@ class ClientUpdate:
 
 @dataclass(frozen=True, eq=False)
 class ServerBroadcast:
-    """Downlink: new weights, or an update log that clients holding a replica replay."""
+    """Downlink: the new trainable weights, the method's state for this client and the round plan."""
 
     round_id: int  # uint32
-    mode: Literal["weights", "log"]
-    seeds: np.ndarray  # uint64: server-chosen seeds for this round; may be empty
-    log_seeds: np.ndarray  # uint64 (entries,)
-    log_coeffs: np.ndarray  # float32 (entries,) or (entries, blocks)
-    server_state: np.ndarray  # float32 (k,); may be empty
-    weights: np.ndarray | None = None  # float32 flat trainable tensors; present iff mode == "weights"
+    server_state: np.ndarray  # float32 (k,): what the method sends this client (zofed: its block distribution)
+    weights: np.ndarray  # float32 flat trainable tensors
     config: dict[str, float | int | str] = field(default_factory=dict)  # small per-round settings, JSON
 
 
@@ -106,19 +104,14 @@ class _Array:
 _UPLINK_ARRAYS = (
     _Array("s", "seeds", "<u8", (1,)),
     _Array("g", "grads", "<f4", (2,)),
-    _Array("p", "personalization", "<f4", (1,)),
     _Array("d", "dense", "<f4", (1,), optional=True),
 )
 _DOWNLINK_ARRAYS = (
-    _Array("s", "seeds", "<u8", (1,)),
-    _Array("ls", "log_seeds", "<u8", (1,)),
-    _Array("lc", "log_coeffs", "<f4", (1, 2)),
     _Array("ss", "server_state", "<f4", (1,)),
-    _Array("w", "weights", "<f4", (1,), optional=True),
+    _Array("w", "weights", "<f4", (1,)),
 )
 _UPLINK_KEYS = {"r", "c", "b", "n", "m", "a"}
-_DOWNLINK_KEYS = {"r", "o", "k", "a"}
-_MODES = ("weights", "log")
+_DOWNLINK_KEYS = {"r", "k", "a"}
 
 
 def validate(msg: Message) -> None:
@@ -136,7 +129,7 @@ def encode(msg: Message) -> bytes:
                                   "n": int(msg.num_examples), "m": {k: float(v) for k, v in msg.metrics.items()}}
     else:
         kind, specs = KIND_DOWNLINK, _DOWNLINK_ARRAYS
-        header = {"r": int(msg.round_id), "o": msg.mode, "k": dict(msg.config)}
+        header = {"r": int(msg.round_id), "k": dict(msg.config)}
     arrays = [(spec, getattr(msg, spec.attr)) for spec in specs if getattr(msg, spec.attr) is not None]
     header["a"] = [[spec.key, spec.dtype, list(a.shape), a.size * spec.itemsize] for spec, a in arrays]
     blob = json.dumps(header, **_JSON_ARGS).encode("utf-8")
@@ -189,7 +182,7 @@ def decode(data: bytes | bytearray | memoryview, *, expect_round: int | None = N
         msg = ClientUpdate(round_id=header["r"], client_id=header["c"], base_seed=header["b"],
                            num_examples=header["n"], metrics=header["m"], **arrays)
     else:
-        msg = ServerBroadcast(round_id=header["r"], mode=header["o"], config=header["k"], **arrays)
+        msg = ServerBroadcast(round_id=header["r"], config=header["k"], **arrays)
     _validate(msg, "bad_header")
     if expect_round is not None and msg.round_id != expect_round:
         raise MessageError("wrong_round", f"round_id is {msg.round_id}, expected {expect_round}")
@@ -287,16 +280,8 @@ def _validate(msg: Message, field_reason: str) -> None:
     elif isinstance(msg, ServerBroadcast):
         name, specs = "ServerBroadcast", _DOWNLINK_ARRAYS
         _check_uint(msg, "round_id", _U32_MAX, field_reason)
-        if not isinstance(msg.mode, str) or msg.mode not in _MODES:
-            raise MessageError(field_reason, f"ServerBroadcast.mode must be one of {_MODES}, got {msg.mode!r}")
         _check_dict(msg.config, "ServerBroadcast.config", field_reason, strings=True)
         _check_arrays(msg, name, specs)
-        if msg.log_coeffs.shape[0] != len(msg.log_seeds):
-            raise MessageError("shape", f"ServerBroadcast.log_coeffs has {msg.log_coeffs.shape[0]} rows but "
-                                        f"log_seeds has {len(msg.log_seeds)} entries")
-        if (msg.weights is not None) != (msg.mode == "weights"):
-            raise MessageError("shape", f"ServerBroadcast.weights must be given iff mode == 'weights' (mode is "
-                                        f"{msg.mode!r}, weights {'given' if msg.weights is not None else 'None'})")
     else:
         raise TypeError(f"expected ClientUpdate or ServerBroadcast, got {type(msg).__name__}")
     for spec in specs:  # last: the one check that reads every value

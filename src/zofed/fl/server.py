@@ -1,29 +1,20 @@
-"""The server's building blocks: validate uplinks, rebuild the round's mean update from seeds and scalars,
-and write the downlink (roles.py puts them together into a round; server_opt.py applies the update).
-
-The mean update of the seed-and-scalar methods is a linear combination of directions, so the server sums
-every client's (seed, coefficient) terms, merges terms that share a seed, and regenerates each direction
-once, streaming over tensors into one accumulator: memory does not grow with the number of clients, and
-when clients share seeds (DeComFL) neither does the time. zofed's personalized steps each carry their own
-block and scale, so they are added step by step, regenerating one block per step.
+"""The server's building blocks: validate uplinks against the round plan, write downlinks, and rebuild one
+client's update exactly (roles.py puts them together into a round, aggregate.py combines the clients' updates,
+server_opt.py applies the result).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from zofed.fl.client import LocalTraining
-from zofed.fl.methods import personalized
-from zofed.fl.personal import MomentumTilt, draw_block, probe_energy, step_perturbation, tensor_blocks
-from zofed.fl.protocol import ClientUpdate, MessageError, ServerBroadcast, decode, step_seeds
+from zofed.fl.methods.base import Method, step_records
+from zofed.fl.plan import LocalTraining
+from zofed.fl.protocol import ClientUpdate, MessageError, ServerBroadcast, decode
 from zofed.zo.optim import MeZO
-from zofed.zo.perturb import Perturbation, add_directions_
-from zofed.zo.step import StepRecord
 
 
 @dataclass
@@ -36,19 +27,23 @@ class RoundInbox:
 
 
 def receive(inbox: RoundInbox, data: bytes, round_id: int, client_id: int, plan: LocalTraining,
-            num_trainable: int) -> None:
-    """Decode and check one uplink against what this round asked for; a bad one is recorded, never raised."""
+            num_trainable: int, dense: bool) -> None:
+    """Decode and check one uplink against what this round asked for (`dense`: the method uploads dense
+    updates); a bad one is recorded, never raised."""
     inbox.bytes_up.append(len(data))
     try:
         update = decode(data, expect_round=round_id, expect_client=client_id, max_bytes=64 * 2**20 + 8 * num_trainable)
-        _check_against_plan(update, plan, num_trainable)
+        _check_against_plan(update, plan, num_trainable, dense)
     except MessageError as err:
         inbox.rejected.append((client_id, f"{err.reason}: {err}"))
         return
     inbox.accepted.append(update)
 
 
-def _check_against_plan(update: ClientUpdate, plan: LocalTraining, num_trainable: int) -> None:
+def _check_against_plan(update: ClientUpdate, plan: LocalTraining, num_trainable: int, dense: bool) -> None:
+    if (update.dense is not None) != dense:
+        raise MessageError("shape", f"{plan.method} uploads {'a dense update' if dense else 'seeds and scalars'}, "
+                                    f"this uplink {'a dense update' if update.dense is not None else 'scalars'}")
     if update.dense is not None:
         if update.dense.size != num_trainable:
             raise MessageError("shape", f"dense update has {update.dense.size} values, the model {num_trainable}")
@@ -60,79 +55,22 @@ def _check_against_plan(update: ClientUpdate, plan: LocalTraining, num_trainable
         raise MessageError("bad_field", "num_examples must be at least 1")
 
 
-def client_records(update: ClientUpdate) -> list[StepRecord]:
-    """The client's local steps as records a local optimizer can replay."""
-    seeds = step_seeds(update)
-    return [StepRecord(step=t, seed=int(seeds[t]), grads=tuple(float(g) for g in update.grads[t]), loss=math.nan)
-            for t in range(update.grads.shape[0])]
-
-
-def step_perturbations(update: ClientUpdate, plan: LocalTraining, perturbation: Perturbation,
-                       block_pi: np.ndarray | None = None, tilt: MomentumTilt | None = None,
-                       layout: np.ndarray | None = None) -> list[tuple[Perturbation, int | None]]:
-    """The perturbation each of the client's steps used, and the block it drew (personalized methods).
-    `layout` maps each tensor to its block (`tensor_blocks` of the plan's `blocks`)."""
-    if not personalized(plan.method):
-        return [(perturbation, None)] * update.grads.shape[0]
-    if block_pi is None:
-        raise ValueError(f"rebuilding a {plan.method} update needs the client's block distribution")
-    return [step_perturbation(int(s), block_pi, perturbation.kind, perturbation.masks, tilt, layout)
-            for s in step_seeds(update)]
-
-
-def rebuild_client_update(global_tensors: Sequence[torch.Tensor], update: ClientUpdate, plan: LocalTraining,
-                          perturbation: Perturbation, block_pi: np.ndarray | None = None,
-                          tilt: MomentumTilt | None = None) -> list[torch.Tensor]:
-    """One client's local update, replayed from its seeds and scalars (as the client computed it)."""
+def rebuild_client_update(method: Method, start: Sequence[torch.Tensor], update: ClientUpdate, local: LocalTraining,
+                          masks: Sequence[torch.Tensor | None] | None = None,
+                          sent_state: np.ndarray | None = None) -> list[torch.Tensor]:
+    """One client's local update, replayed step by step from its seeds and scalars as the client applied it
+    (bit for bit), or its dense upload."""
     if update.dense is not None:
-        return unflatten(update.dense, global_tensors)
-    tensors = [t.clone() for t in global_tensors]
+        return unflatten(update.dense, start)
+    tensors = [t.clone() for t in start]
     optimizer = MeZO()
     state = optimizer.init(tensors)
-    layout = tensor_blocks(global_tensors, plan.blocks) if personalized(plan.method) else None
-    steps = step_perturbations(update, plan, perturbation, block_pi, tilt, layout)
-    for record, (pert, _) in zip(client_records(update), steps, strict=True):
-        state = optimizer.apply(tensors, state, record.grad_terms(), [], plan.lr, pert)
-    return [t - g for t, g in zip(tensors, global_tensors, strict=True)]
-
-
-def mean_update(global_tensors: Sequence[torch.Tensor], updates: Sequence[ClientUpdate], plan: LocalTraining,
-                perturbation: Perturbation, block_pis: Mapping[int, np.ndarray] | None = None,
-                tilt: MomentumTilt | None = None) -> list[torch.Tensor]:
-    """The example-weighted mean of the clients' local updates, streaming into one accumulator.
-    `block_pis` maps client id to the block distribution it was sent, `tilt` is the momentum every client
-    of the round was sent (personalized methods)."""
-    if not updates:
-        raise ValueError("no accepted client update to aggregate")
-    total = sum(u.num_examples for u in updates)
-    mean = [torch.zeros_like(t) for t in global_tensors]
-    terms: list[tuple[int, float]] = []
-    layout = tensor_blocks(global_tensors, plan.blocks) if personalized(plan.method) else None
-    for update in updates:
-        weight = update.num_examples / total
-        if update.dense is not None:
-            for m, d in zip(mean, unflatten(update.dense, global_tensors), strict=True):
-                m.add_(d, alpha=weight)
-            continue
-        if personalized(plan.method):  # one block a step, each with its own scale: added step by step
-            pi = (block_pis or {}).get(update.client_id)
-            steps = step_perturbations(update, plan, perturbation, pi, tilt, layout)
-            for record, (pert, _) in zip(client_records(update), steps, strict=True):
-                add_directions_(mean, [(s, -plan.lr * g * weight) for s, g in record.grad_terms()], pert)
-            continue
-        for record in client_records(update):
-            terms += [(seed, -plan.lr * g * weight) for seed, g in record.grad_terms()]
-    if terms:
-        add_directions_(mean, terms, perturbation)  # merges shared seeds: one regeneration per direction
-    return mean
-
-
-def block_probes(update: ClientUpdate, plan: LocalTraining, block_pi: np.ndarray) -> tuple[list[int], list[float]]:
-    """The blocks a personalized client's steps drew and their energy estimates pi_b g^2 (mean over queries)."""
-    blocks = [draw_block(int(s), block_pi) for s in step_seeds(update)]
-    energies = [float(np.mean([probe_energy(g, block_pi, b) for g in row])) for b, row in zip(blocks, update.grads,
-                                                                                         strict=True)]
-    return blocks, energies
+    records = step_records(update)
+    state_in = np.zeros(0, np.float32) if sent_state is None else sent_state
+    perts = method.perturbations(local, start, masks, [r.seed for r in records], state_in)
+    for record, pert in zip(records, perts, strict=True):
+        state = optimizer.apply(tensors, state, record.grad_terms(), [], local.lr, pert)
+    return [t - s for t, s in zip(tensors, start, strict=True)]
 
 
 def unflatten(dense: np.ndarray, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -147,9 +85,8 @@ def unflatten(dense: np.ndarray, like: Sequence[torch.Tensor]) -> list[torch.Ten
 
 def broadcast(round_id: int, tensors: Sequence[torch.Tensor], config: dict,
               server_state: np.ndarray | None = None) -> ServerBroadcast:
-    """The downlink of a round: the trainable weights (every server optimizer supports it), the round's
-    plan as config, and `server_state` (a personalized client's block distribution)."""
+    """The downlink of a round: the trainable weights, the round plan as config, and `server_state` (what the
+    method sends this client, e.g. zofed's block distribution)."""
     weights = torch.cat([t.reshape(-1) for t in tensors]).numpy().astype(np.float32)
-    empty_u64 = np.zeros(0, np.uint64)
     state = np.zeros(0, np.float32) if server_state is None else server_state.astype(np.float32)
-    return ServerBroadcast(round_id, "weights", empty_u64, empty_u64, np.zeros(0, np.float32), state, weights, config)
+    return ServerBroadcast(round_id, state, weights, config)

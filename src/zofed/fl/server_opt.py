@@ -1,67 +1,135 @@
-"""Server optimizers: the round's mean client update is a pseudo-gradient, applied with global momentum.
+"""Server optimizers: the round's aggregated client update is a pseudo-gradient, applied with global momentum.
 
-    m <- beta1 m + (1 - beta1) d                       (d: the mean update, a descent direction)
-    adam:    v <- beta2 v + (1 - beta2) d^2
-    yogi:    v <- v - (1 - beta2) d^2 sign(v - d^2)     (v grows no faster than d^2 asks)
-    amsgrad: v <- beta2 v + (1 - beta2) d^2, vhat <- max(vhat, v), and vhat divides
-    x <- x + lr m / (sqrt(v) + tau)
+Each optimizer is a chain of small pieces (optax's habit), each an `init`/`update` pair over explicit state. A
+tensor's step is kept as `scale * num / den` (den optional) until the end, so the chain applies it in one fused
+operation:
 
-`granularity="coordinate"` keeps v per coordinate (FedAdam, FedYogi, FedAMSGrad). `"block"` keeps one v per
-trainable tensor, the mean of d^2 over it: the step keeps the direction inside a block and only sets each
-block's step size, which suits ZO pseudo-gradients (noise spread evenly over a block, which per-coordinate
-division would turn into sign noise), and the state to send to clients is one number per block.
-`sgd` is x <- x + lr d (lr 1 is plain averaging of the updates).
+    moments       m <- beta1 m + (1 - beta1) d               (d: the aggregated update, a descent direction)
+                  adam:    v <- beta2 v + (1 - beta2) d^2
+                  yogi:    v <- v - (1 - beta2) d^2 sign(v - d^2)   (v grows no faster than d^2 asks)
+                  amsgrad: v as adam, vhat <- max(vhat, v), and vhat divides
+                  num, den = m, sqrt(v) + tau
+    trust ratio   scale <- scale * rms(x)                    (a layer-wise trust ratio, as in LAMB)
+    schedule      scale <- scale * lr_t                      (constant, or a cosine to zero over R rounds)
+    then          x <- x + scale * num / den
 
-`decay_rounds=R` lowers lr along a cosine, from lr in the first round to zero after R rounds. A normalized step
-keeps its length when the rebuilt update is mostly noise, as it is once the easy progress is made; the decay
-shrinks it instead (0 keeps lr constant).
+`sgd` is the schedule alone (lr 1 is plain averaging of the updates); `adam`, `yogi` and `amsgrad` are moments,
+optionally the trust ratio (`relative`), then the schedule.
 
-`relative=True` multiplies each tensor's step by its own root mean square before the step (a layer-wise trust
-ratio, as in LAMB): lr becomes a relative step, so a small-valued tensor (a freshly drawn classifier head,
-std 0.02) is not moved as far as a unit-scale gain. A tensor that is all zeros moves by lr, as if absolute.
+Moments per `coordinate` keep v per coordinate (FedAdam, FedYogi, FedAMSGrad); per `tensor` they keep one v per
+trainable tensor, the mean of d^2 over it: the step keeps the direction inside a tensor and only sets each
+tensor's step size, which suits ZO pseudo-gradients (noise spread evenly over a tensor, which per-coordinate
+division would turn into sign noise). A tensor-wise v can warm-start from the energy its first round is expected
+to carry (`warm_start`; the method supplies `expected_square`).
 
-Downlink modes: every optimizer can send new weights; only `sgd` can send an update log (seeds and
-coefficients a client replays), because only its step is a linear combination of the clients' directions.
+The relative step makes lr a relative step size, so a small-valued tensor (a freshly drawn classifier head, std
+0.02) is not moved as far as a unit-scale gain; an all-zero tensor moves by lr, as if absolute. The cosine
+schedule shrinks a normalized step that would otherwise keep its length when the update is mostly noise.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
-import numpy as np
 import torch
 
 from zofed.zo.optim import OptState
 
-SERVER_OPTIMIZERS = ("sgd", "adam", "yogi", "amsgrad")
-GRANULARITIES = ("coordinate", "block")
+GRANULARITIES = ("coordinate", "tensor")
+Buffers = dict[str, list[torch.Tensor]]
+
+
+@dataclass
+class TensorStep:
+    """One tensor's step on its way through the chain: scale * num / den (den None: scale * num)."""
+
+    num: torch.Tensor
+    den: torch.Tensor | None = None
+    scale: float = 1.0
+
+
+class Piece(Protocol):
+    """One link of a server optimizer's chain."""
+
+    extras: frozenset[str]  # per-round inputs it reads (e.g. "expected_square")
+
+    def init(self, tensors: Sequence[torch.Tensor]) -> Buffers: ...
+
+    def update(self, steps: list[TensorStep], buffers: Buffers, tensors: Sequence[torch.Tensor], step: int,
+               extras: dict[str, Any]) -> list[TensorStep]: ...
 
 
 @dataclass(frozen=True)
-class ServerOptimizer:
-    name: str = "sgd"
-    lr: float = 1.0
+class Moments:
+    """First and second moments of the update; emits m / (sqrt(v) + tau)."""
+
+    rule: str = "adam"  # adam, yogi or amsgrad
+    granularity: str = "coordinate"
     beta1: float = 0.9
     beta2: float = 0.99
     tau: float = 1e-6
-    granularity: str = "coordinate"
-    warm_start: bool = False  # block v starts from the energy a block's first round is expected to carry
-    relative: bool = False  # each tensor's step is scaled by its own RMS (adam, yogi, amsgrad)
-    decay_rounds: int = 0  # cosine decay of lr to zero over this many rounds; 0 keeps lr constant
+    warm_start: bool = False
 
-    def __post_init__(self) -> None:
-        if self.name not in SERVER_OPTIMIZERS:
-            raise ValueError(f"unknown server optimizer {self.name!r}; choose one of {', '.join(SERVER_OPTIMIZERS)}")
-        if self.granularity not in GRANULARITIES:
-            raise ValueError(f"unknown server optimizer granularity {self.granularity!r}; choose coordinate or block")
-        if self.warm_start and (self.name == "sgd" or self.granularity != "block"):
-            raise ValueError("a warm start needs a block-wise adaptive server optimizer (adam, yogi or amsgrad)")
-        if self.relative and self.name == "sgd":
-            raise ValueError("relative steps need an adaptive server optimizer (adam, yogi or amsgrad), not sgd")
-        if self.decay_rounds < 0:
-            raise ValueError(f"decay_rounds must be 0 (constant lr) or a number of rounds, not {self.decay_rounds}")
+    @property
+    def extras(self) -> frozenset[str]:
+        return frozenset({"expected_square"}) if self.warm_start else frozenset()
+
+    def init(self, tensors: Sequence[torch.Tensor]) -> Buffers:
+        second = [torch.zeros_like(t) if self.granularity == "coordinate" else torch.zeros(1, dtype=t.dtype)
+                  for t in tensors]
+        buffers = {"m": [torch.zeros_like(t) for t in tensors], "v": second}
+        if self.rule == "amsgrad":
+            buffers["vhat"] = [v.clone() for v in second]
+        return buffers
+
+    def update(self, steps, buffers, tensors, step, extras):
+        expected = extras.get("expected_square") if self.warm_start else None
+        out = []
+        for i, s in enumerate(steps):
+            d = s.num
+            m, v = buffers["m"][i], buffers["v"][i]
+            if expected is not None and not v.any():  # one round's worth of the expected energy, not a sign step
+                v.fill_((1 - self.beta2) * float(expected[i]))
+                if self.rule == "amsgrad":
+                    buffers["vhat"][i].copy_(v)
+            m.mul_(self.beta1).add_(d, alpha=1 - self.beta1)
+            d2 = d * d if self.granularity == "coordinate" else (d * d).mean().reshape(1)
+            if self.rule == "yogi":
+                v.sub_(d2 * torch.sign(v - d2), alpha=1 - self.beta2)
+            else:
+                v.mul_(self.beta2).add_(d2, alpha=1 - self.beta2)
+            denom = torch.maximum(buffers["vhat"][i], v, out=buffers["vhat"][i]) if self.rule == "amsgrad" else v
+            out.append(TensorStep(m, denom.sqrt().add(self.tau), s.scale))
+        return out
+
+
+@dataclass(frozen=True)
+class TrustRatio:
+    """Scales each tensor's step by the tensor's own root mean square (1 for an all-zero tensor)."""
+
+    extras: frozenset[str] = frozenset()
+
+    def init(self, tensors: Sequence[torch.Tensor]) -> Buffers:
+        return {}
+
+    def update(self, steps, buffers, tensors, step, extras):
+        for s, t in zip(steps, tensors, strict=True):
+            rms = float(t.double().pow(2).mean().sqrt())
+            s.scale *= rms if rms > 0 else 1.0
+        return steps
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Multiplies the step by lr, constant or along a cosine from lr in the first round to zero after
+    `decay_rounds` rounds (0 keeps it constant)."""
+
+    lr: float
+    decay_rounds: int = 0
+    extras: frozenset[str] = frozenset()
 
     def lr_at(self, step: int) -> float:
         """The lr of the round that follows `step` applied rounds."""
@@ -69,62 +137,86 @@ class ServerOptimizer:
             return self.lr
         return self.lr * 0.5 * (1 + math.cos(math.pi * min(step, self.decay_rounds) / self.decay_rounds))
 
+    def init(self, tensors: Sequence[torch.Tensor]) -> Buffers:
+        return {}
+
+    def update(self, steps, buffers, tensors, step, extras):
+        lr = self.lr_at(step)
+        for s in steps:
+            s.scale *= lr
+        return steps
+
+
+@dataclass(frozen=True)
+class ServerOptimizer:
+    """A chain of pieces; its state is one OptState (round counter and every piece's named buffers)."""
+
+    name: str
+    pieces: tuple[Piece, ...]
+
     @property
-    def downlink_modes(self) -> tuple[str, ...]:
-        return ("weights", "log") if self.name == "sgd" else ("weights",)
+    def extras(self) -> frozenset[str]:
+        return frozenset().union(*(p.extras for p in self.pieces))
 
     def init(self, tensors: Sequence[torch.Tensor]) -> OptState:
-        if self.name == "sgd":
-            return OptState()
-        second = [torch.zeros_like(t) if self.granularity == "coordinate" else torch.zeros(1, dtype=t.dtype)
-                  for t in tensors]
-        buffers = {"m": [torch.zeros_like(t) for t in tensors], "v": second}
-        if self.name == "amsgrad":
-            buffers["vhat"] = [v.clone() for v in second]
+        buffers: Buffers = {}
+        for piece in self.pieces:
+            buffers.update(piece.init(tensors))
         return OptState(buffers=buffers)
 
     @torch.no_grad()
     def apply(self, tensors: Sequence[torch.Tensor], state: OptState, delta: Sequence[torch.Tensor],
-              expected_square: Sequence[float] | None = None) -> OptState:
-        """Move `tensors` in place by the pseudo-gradient `delta`; returns the next state.
-
-        With `warm_start`, `expected_square` is each block's expected mean of d^2 this round: a block whose v
-        is still zero starts from one round's worth of it, (1 - beta2) E[d^2], so its first step is in
-        proportion to what its probes measured instead of a full-size sign step."""
-        lr = self.lr_at(state.step)
-        if self.name == "sgd":
-            for t, d in zip(tensors, delta, strict=True):
-                t.add_(d, alpha=lr)
-            return replace(state, step=state.step + 1)
-        b = state.buffers
-        for i, (t, d) in enumerate(zip(tensors, delta, strict=True)):
-            m, v = b["m"][i], b["v"][i]
-            if self.warm_start and expected_square is not None and not v.any():
-                v.fill_((1 - self.beta2) * float(expected_square[i]))
-                if self.name == "amsgrad":
-                    b["vhat"][i].copy_(v)
-            m.mul_(self.beta1).add_(d, alpha=1 - self.beta1)
-            d2 = d * d if self.granularity == "coordinate" else (d * d).mean().reshape(1)
-            if self.name == "yogi":
-                v.sub_(d2 * torch.sign(v - d2), alpha=1 - self.beta2)
+              **extras: Any) -> OptState:
+        """Move `tensors` in place by the pseudo-gradient `delta`; returns the next state."""
+        steps = [TensorStep(d) for d in delta]
+        for piece in self.pieces:
+            steps = piece.update(steps, state.buffers, tensors, state.step, extras)
+        for t, s in zip(tensors, steps, strict=True):
+            if s.den is None:
+                t.add_(s.num, alpha=s.scale)
             else:
-                v.mul_(self.beta2).add_(d2, alpha=1 - self.beta2)
-            denom = v
-            if self.name == "amsgrad":
-                denom = torch.maximum(b["vhat"][i], v, out=b["vhat"][i])
-            t.addcdiv_(m, denom.sqrt().add(self.tau), value=lr * self._trust(t))
+                t.addcdiv_(s.num, s.den, value=s.scale)
         return replace(state, step=state.step + 1)
 
-    def _trust(self, tensor: torch.Tensor) -> float:
-        """The factor on this tensor's step: its RMS when steps are relative (1 for an all-zero tensor)."""
-        if not self.relative:
-            return 1.0
-        rms = float(tensor.double().pow(2).mean().sqrt())
-        return rms if rms > 0 else 1.0
+    def lr_at(self, step: int) -> float:
+        return next(p.lr_at(step) for p in self.pieces if isinstance(p, Schedule))
 
-    def block_state(self, state: OptState) -> np.ndarray:
-        """The per-block second moments (block granularity): small enough to send to every client."""
-        if self.name == "sgd" or self.granularity != "block":
-            return np.zeros(0, np.float32)
-        key = "vhat" if self.name == "amsgrad" else "v"
-        return torch.cat(state.buffers[key]).numpy().astype(np.float32)
+
+def _sgd(lr: float, decay_rounds: int = 0, **_: Any) -> tuple[Piece, ...]:
+    return (Schedule(lr, decay_rounds),)
+
+
+def _adaptive(rule: str) -> Callable[..., tuple[Piece, ...]]:
+    def build(lr: float, decay_rounds: int = 0, granularity: str = "coordinate", beta1: float = 0.9,
+              beta2: float = 0.99, tau: float = 1e-6, warm_start: bool = False, relative: bool = False
+              ) -> tuple[Piece, ...]:
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"unknown server optimizer granularity {granularity!r}; choose coordinate or tensor")
+        if warm_start and granularity != "tensor":
+            raise ValueError("a warm start needs tensor-wise moments (granularity tensor)")
+        moments = Moments(rule, granularity, beta1, beta2, tau, warm_start)
+        return (moments, *((TrustRatio(),) if relative else ()), Schedule(lr, decay_rounds))
+
+    return build
+
+
+# name -> builder of its chain; the config's choices come from here
+SERVER_OPTIMIZERS: dict[str, Callable[..., tuple[Piece, ...]]] = {
+    "sgd": _sgd, "adam": _adaptive("adam"), "yogi": _adaptive("yogi"), "amsgrad": _adaptive("amsgrad")}
+
+
+def make_server_optimizer(name: str = "sgd", lr: float = 1.0, *, decay_rounds: int = 0, relative: bool = False,
+                          warm_start: bool = False, **moments: Any) -> ServerOptimizer:
+    """Build a server optimizer by name; settings that do not go together raise a ValueError saying why."""
+    if name not in SERVER_OPTIMIZERS:
+        raise ValueError(f"unknown server optimizer {name!r}; choose one of {', '.join(SERVER_OPTIMIZERS)}")
+    if decay_rounds < 0:
+        raise ValueError(f"decay_rounds must be 0 (constant lr) or a number of rounds, not {decay_rounds}")
+    if name == "sgd":
+        if relative:
+            raise ValueError("relative steps need an adaptive server optimizer (adam, yogi or amsgrad), not sgd")
+        if warm_start:
+            raise ValueError("a warm start needs a tensor-wise adaptive server optimizer (adam, yogi or amsgrad)")
+        return ServerOptimizer(name, _sgd(lr, decay_rounds))
+    return ServerOptimizer(name, SERVER_OPTIMIZERS[name](lr, decay_rounds, relative=relative, warm_start=warm_start,
+                                                         **moments))

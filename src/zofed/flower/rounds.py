@@ -1,9 +1,9 @@
 """The ServerApp side: find the SuperNodes and the partition each holds, then drive zofed's rounds over a
 Flower Grid with the shared server role.
 
-Replies arrive in any order; they are handed to `ServerRole.receive` in ascending client id, the order the
-in-process engine uses, so the aggregate sums in the same order and the same config and seeds give the same
-model. Nothing is swallowed: a client error, a reply that is not a zofed uplink and a reply that does not come
+Each round is the shared `run_round` (fl/rounds.py) with Flower delivering the messages: replies arrive in any
+order and are received in ascending client id, as in the in-process engine, so the same config and seeds give
+the same model. Nothing is swallowed: a client error, a reply that is not a zofed uplink and a reply that does not come
 within `flower.reply_timeout` are each recorded in the round's `rejected` list with a reason and counted; a
 round with fewer usable uplinks than `flower.min_clients` stops the run with an error naming them.
 """
@@ -19,8 +19,7 @@ from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 
 from zofed.fl.client import load_tensors_
-from zofed.fl.roles import peak_rss_mib, round_record
-from zofed.fl.server import RoundInbox
+from zofed.fl.rounds import Failure, RoundFailed, run_round
 from zofed.flower.messages import QUERY, TRAIN, error_reason, flower_nbytes, read_partition, read_uplink, train_content
 from zofed.run.federated import FederatedRun
 
@@ -86,67 +85,55 @@ def connect_clients(grid: Grid, num_clients: int, node_timeout: float) -> dict[i
 
 
 def flower_round(grid: Grid, run: FederatedRun, round_id: int, client_node: dict[int, int]) -> dict:
-    """One round over the grid; aggregates, evaluates and checkpoints; returns the round's metrics record."""
-    t0 = time.perf_counter()
-    server = run.server
+    """One round over the grid (the shared `run_round`, delivering over Flower); aggregates, evaluates and
+    checkpoints; returns the round's metrics record."""
     timeout = run.config.flower.reply_timeout
-    plan = server.round_plan(round_id)
-    sampled = server.sample(round_id)  # ascending client ids
-    sent: dict[int, Message] = {}
-    bytes_down, flower_down = [], []
-    for client_id in sampled:
-        downlink = server.downlink(plan, client_id)
-        bytes_down.append(len(downlink))
-        message = Message(train_content(downlink, client_id, round_id), dst_node_id=client_node[client_id],
-                          message_type=TRAIN, group_id=str(round_id))
-        flower_down.append(flower_nbytes(message))
-        sent[client_id] = message
-    node_client = {node: client for client, node in client_node.items()}
-    replies: dict[int, Message] = {}
-    for reply in grid.send_and_receive(list(sent.values()), timeout=timeout):
-        client_id = node_client.get(reply.metadata.src_node_id)
-        if client_id in sent and client_id not in replies:
-            replies[client_id] = reply
-    inbox, losses, flower_up = RoundInbox(), [], []
-    errors, missing = 0, 0
-    for client_id in sampled:
-        reply = replies.get(client_id)
-        if reply is None:
-            missing += 1
-            inbox.rejected.append((client_id, f"missing: no reply within {timeout:g} s (flower.reply_timeout)"))
-            continue
-        if reply.has_error():
-            errors += 1
-            inbox.rejected.append((client_id, f"client_error: {error_reason(reply)}"))
-            continue
-        try:
-            uplink = read_uplink(reply)
-        except ValueError as err:
-            errors += 1
-            inbox.rejected.append((client_id, f"bad_reply: {err}"))
-            continue
-        flower_up.append(flower_nbytes(reply))
-        accepted = len(inbox.accepted)
-        server.receive(inbox, plan, client_id, uplink)
-        if len(inbox.accepted) > accepted:
-            losses.append(inbox.accepted[-1].metrics["train_loss"])
-    record = {**round_record(plan, sampled, inbox, bytes_down, losses, time.perf_counter() - t0),
-              "client_errors": errors, "missing": missing,
-              "flower_bytes_up_per_client": float(np.mean(flower_up)) if flower_up else 0.0,
-              "flower_bytes_down_per_client": float(np.mean(flower_down))}
-    needed = min_clients(run)
-    if len(inbox.accepted) < needed:
-        run.metrics.write({"step": round_id + 1, "event": "round_failed", **record})
-        reasons = "; ".join(f"client {c}: {r}" for c, r in inbox.rejected)
-        raise FederationError(f"round {round_id + 1}: {len(inbox.accepted)} of {len(sampled)} sampled clients gave a "
-                              f"usable uplink, fewer than flower.min_clients={needed} ({reasons})")
-    server.aggregate(plan, inbox)
-    load_tensors_(run.setup.trainable.tensors(), server.tensors)  # the server's model evaluates and is saved
-    # Time and peak memory with the aggregate included, as the in-process engine records them.
-    record["round_seconds"] = round(time.perf_counter() - t0, 3)
-    record["peak_rss_mib"] = peak_rss_mib()
+    counts = {"client_errors": 0, "missing": 0}
+    flower_up: list[int] = []
+    flower_down: list[int] = []
+
+    def deliver(round_id: int, downlinks) -> dict[int, bytes | Failure]:
+        sent: dict[int, Message] = {}
+        for client_id, downlink in downlinks:
+            message = Message(train_content(downlink, client_id, round_id), dst_node_id=client_node[client_id],
+                              message_type=TRAIN, group_id=str(round_id))
+            flower_down.append(flower_nbytes(message))
+            sent[client_id] = message
+        node_client = {node: client for client, node in client_node.items()}
+        replies: dict[int, bytes | Failure] = {}
+        for reply in grid.send_and_receive(list(sent.values()), timeout=timeout):
+            client_id = node_client.get(reply.metadata.src_node_id)
+            if client_id not in sent or client_id in replies:
+                continue
+            if reply.has_error():
+                counts["client_errors"] += 1
+                replies[client_id] = Failure(f"client_error: {error_reason(reply)}")
+                continue
+            try:
+                replies[client_id] = read_uplink(reply)
+            except ValueError as err:
+                counts["client_errors"] += 1
+                replies[client_id] = Failure(f"bad_reply: {err}")
+                continue
+            flower_up.append(flower_nbytes(reply))
+        for client_id in sent.keys() - replies.keys():
+            counts["missing"] += 1
+            replies[client_id] = Failure(f"missing: no reply within {timeout:g} s (flower.reply_timeout)")
+        return replies
+
+    def flower_fields(record: dict) -> dict:
+        return {**record, **counts, "flower_bytes_up_per_client": float(np.mean(flower_up)) if flower_up else 0.0,
+                "flower_bytes_down_per_client": float(np.mean(flower_down)) if flower_down else 0.0}
+
+    try:
+        record = run_round(run.server, round_id, deliver, min_accepted=min_clients(run))
+    except RoundFailed as err:
+        run.metrics.write({"step": round_id + 1, "event": "round_failed", **flower_fields(err.record)})
+        raise FederationError(f"{err} (flower.min_clients)") from None
+    record = flower_fields(record)
+    load_tensors_(run.setup.trainable.tensors(), run.server.tensors)  # the server's model evaluates and is saved
     record.update(run.evaluate(round_id + 1))
-    run.checkpoint(round_id + 1, server)
+    run.checkpoint(round_id + 1, run.server)
     return record
 
 

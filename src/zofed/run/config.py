@@ -6,16 +6,19 @@ to a default.
 
 from __future__ import annotations
 
-import dataclasses
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from zofed.data.partition import PartitionConfig
 from zofed.data.tasks import TaskConfig
-from zofed.fl.server_opt import ServerOptimizer
+from zofed.fl.aggregate import AGGREGATORS
+from zofed.fl.methods import get_method
+from zofed.fl.server_opt import ServerOptimizer, make_server_optimizer
 from zofed.models.selection import TrainableConfig
 from zofed.zo.noise import NoiseKind
 from zofed.zo.optim import OPTIMIZER_NAMES
@@ -106,48 +109,50 @@ class FinetuneConfig(_Section):
 
 
 class ServerOptimizerSection(_Section):
-    """Unset fields take the method's default (METHOD_SERVER_DEFAULTS): zofed uses block-wise adam with relative
-    steps."""
+    """Unset fields take the method's default (its `server_default` in fl/methods/): zofed uses tensor-wise adam
+    with relative steps."""
 
     name: Literal["sgd", "adam", "yogi", "amsgrad"] | None = None
     lr: float | None = Field(None, gt=0)
-    granularity: Literal["coordinate", "block"] | None = None
+    granularity: Literal["coordinate", "tensor"] | None = None
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.99, ge=0, lt=1)
     tau: float = Field(1e-6, gt=0)
-    warm_start: bool = False  # block-wise only: a block's v starts from its expected first-round energy
+    warm_start: bool = False  # tensor-wise only: a tensor's v starts from its expected first-round energy
     relative: bool | None = None  # adaptive only: each tensor's step is lr times its own RMS (a LAMB-style trust ratio)
     decay: Literal["constant", "cosine"] = "constant"  # cosine: lr falls to zero over the run's federation.rounds
 
-    def build(self, method: str, rounds: int) -> ServerOptimizer:
-        default = METHOD_SERVER_DEFAULTS.get(method, METHOD_SERVER_DEFAULTS["zo-seeds"])
-        name = self.name or default["name"]
-        relative = self.relative if self.relative is not None else (name == default["name"] and default["relative"])
+    def resolved(self, method: str, rounds: int) -> dict[str, Any]:
+        """The settings the server optimizer runs with: unset fields filled from the method's default."""
+        default = get_method(method).server_default
+        name = self.name or default.name
+        relative = self.relative if self.relative is not None else (name == default.name and default.relative)
         # An lr only has a meaning for the step it was set for: sgd's 1.0 is not an adam step, nor is a relative
         # step an absolute one.
-        same_step = name == default["name"] and relative == default["relative"]
-        lr = self.lr if self.lr is not None else (default["lr"] if same_step else SERVER_LR[name])
+        same_step = name == default.name and relative == default.relative
+        lr = self.lr if self.lr is not None else (default.lr if same_step else SERVER_LR[name])
+        settings = {"name": name, "lr": lr, "decay_rounds": rounds if self.decay == "cosine" else 0,
+                    "relative": relative, "warm_start": self.warm_start}
+        if name != "sgd":
+            settings.update(granularity=self.granularity or default.granularity, beta1=self.beta1, beta2=self.beta2,
+                            tau=self.tau)
+        return settings
+
+    def build(self, method: str, rounds: int) -> ServerOptimizer:
         try:
-            return ServerOptimizer(name, lr, self.beta1, self.beta2, self.tau,
-                                   self.granularity or default["granularity"], self.warm_start, relative,
-                                   rounds if self.decay == "cosine" else 0)
+            return make_server_optimizer(**self.resolved(method, rounds))
         except ValueError as err:  # settings that are each valid but do not go together
             raise ConfigError(f"federation.server_optimizer: {err}") from None
 
 
 # Adaptive server steps move each coordinate by about lr a round. 3e-3 matches what the same forward passes
 # move a coordinate in centralized MeZO at lr 3e-4 (|g| ~ 3.5, sqrt(12 steps) ~ 3.5): see docs/method.md.
-# zofed's steps are relative: 1e-2 of a tensor's RMS moves SmolLM2's median RMSNorm gain (RMS 0.26) as far.
+# A method's own default (zofed: relative 1e-2 of a tensor's RMS) is in its `server_default`.
 SERVER_LR = {"sgd": 1.0, "adam": 3e-3, "yogi": 3e-3, "amsgrad": 3e-3}
-METHOD_SERVER_DEFAULTS: dict[str, dict[str, Any]] = {
-    "zofed": {"name": "adam", "lr": 1e-2, "granularity": "block", "relative": True},
-    "zo-seeds": {"name": "sgd", "lr": 1.0, "granularity": "coordinate", "relative": False},
-    "fedadam": {"name": "adam", "lr": 1e-3, "granularity": "coordinate", "relative": False},
-}
 
 
 class SamplingSection(_Section):
-    """zofed's personalized block sampling (fl/personal.py)."""
+    """zofed's personalized block sampling (fl/personal.py); methods that do not read it refuse it."""
 
     personalize: bool = True  # false: every step perturbs every block (the ablation without personalization)
     mix: float = Field(0.3, gt=0, le=1)  # share of the size-proportional distribution kept in each client's pi
@@ -158,21 +163,42 @@ class SamplingSection(_Section):
 
 
 class FederationSection(_Section):
-    method: Literal["zofed", "zo-seeds", "decomfl", "fedkseed", "fedmezo", "fedavg", "fedadam"] = "zofed"
+    method: str = "zofed"  # a registered method (fl/methods/): zofed, zo-seeds, decomfl, fedkseed, fedmezo, ...
     rounds: int = Field(20, ge=1)
     clients_per_round: int = Field(5, ge=1)
     local_steps: int = Field(10, ge=1)
     pool_size: int = Field(64, ge=1)  # fedkseed's shared seed pool
     first_order_optimizer: Literal["adamw", "sgd"] = "adamw"  # fedavg, fedadam: clients back-propagate
     first_order_lr: float = Field(1e-3, gt=0)
+    aggregator: str = "mean"  # how the clients' updates combine (fl/aggregate.py)
     partition: PartitionConfig = Field(default_factory=PartitionConfig)
     server_optimizer: ServerOptimizerSection = Field(default_factory=ServerOptimizerSection)
     sampling: SamplingSection = Field(default_factory=SamplingSection)
     eval_every: int = Field(1, ge=1)  # rounds between evaluations on the fixed test subset
 
-    def round_method(self) -> str:
-        """The method the rounds run: zofed without personalization draws its steps like zo-seeds."""
-        return "zo-seeds" if self.method == "zofed" and not self.sampling.personalize else self.method
+    @field_validator("method")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        get_method(name)  # raises naming the registered methods
+        return name
+
+    @field_validator("aggregator")
+    @classmethod
+    def _known_aggregator(cls, name: str) -> str:
+        if name not in AGGREGATORS:
+            raise ValueError(f"unknown aggregator {name!r}; choose one of {', '.join(AGGREGATORS)}")
+        return name
+
+    @model_validator(mode="after")
+    def _sampling_only_where_read(self) -> FederationSection:
+        # Only a set value that differs from the default is refused, so dumped configs load again.
+        if get_method(self.method).uses_sampling:
+            return self
+        for key in sorted(self.sampling.model_fields_set):
+            if getattr(self.sampling, key) != SamplingSection.model_fields[key].default:
+                raise ValueError(f"sampling.{key} is a setting of zofed's personalized sampling, which "
+                                 f"{self.method} does not use")
+        return self
 
 
 class FlowerSection(_Section):
@@ -191,6 +217,29 @@ class FederatedConfig(FinetuneConfig):
     federation: FederationSection = Field(default_factory=FederationSection)
     flower: FlowerSection = Field(default_factory=FlowerSection)
     out_dir: str = "runs/federated"
+
+    @model_validator(mode="after")
+    def _no_centralized_only(self) -> FederatedConfig:
+        # Only a set value that differs from the default is refused: dumped configs (config.yaml, the Flower apps'
+        # config text) hold every key at its default, and must load again.
+        for dotted, instead in CENTRALIZED_ONLY.items():
+            section_name, key = dotted.split(".")
+            section = getattr(self, section_name)
+            if key in section.model_fields_set and getattr(section, key) != type(section).model_fields[key].default:
+                raise ValueError(f"{dotted} is a centralized setting (zofed finetune) that a federated run would "
+                                 f"ignore; {instead}")
+        return self
+
+
+# Keys of the centralized sections that a federated run has no use for, and what it uses instead.
+CENTRALIZED_ONLY = {
+    "optimizer.schedule": "clients step at a constant optimizer.lr (the server step's decay is set under "
+                          "federation.server_optimizer)",
+    "optimizer.warmup": "clients step at a constant optimizer.lr from the first round",
+    "train.steps": "set federation.rounds (and federation.local_steps for each client's steps a round)",
+    "train.eval_every": "set federation.eval_every (in rounds)",
+    "train.checkpoint_every": "a federated run checkpoints after every round",
+}
 
 
 def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
@@ -214,14 +263,43 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
-def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
-    """`key.sub=value` strings; values are parsed as YAML so numbers, lists and booleans work."""
+def _text_field(schema: type[BaseModel], dotted: str) -> bool | None:
+    """Whether the schema declares `dotted` as text that also takes None (True) or as plain str (False); None for
+    any other key (not text, or not in the schema: validation then names it)."""
+    node: Any = schema
+    for key in dotted.split("."):
+        if not (isinstance(node, type) and issubclass(node, BaseModel) and key in node.model_fields):
+            return None
+        node = node.model_fields[key].annotation
+    if node is str:
+        return False
+    if typing.get_origin(node) in (typing.Union, types.UnionType) and str in typing.get_args(node) \
+            and set(typing.get_args(node)) <= {str, type(None)}:
+        return True
+    return None
+
+
+def parse_overrides(overrides: list[str], schema: type[BaseModel] | None = None) -> list[tuple[str, Any]]:
+    """`key.sub=value` strings; values are parsed as YAML so numbers, lists and booleans work. A value YAML cannot
+    parse is taken as its plain text. For a key the schema declares as text (a prompt template, a path) the value
+    is the text as given unless it is YAML-quoted, or a null the field takes: YAML would read
+    `Review: {text} Sentiment:` as a mapping and drop a `# ...` tail as a comment."""
     parsed = []
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form section.key=value")
         key, raw = item.split("=", 1)
-        parsed.append((key.strip(), yaml.safe_load(raw)))
+        key = key.strip()
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            value = raw
+        nullable = _text_field(schema, key) if schema is not None else None
+        if nullable is not None:
+            quoted = raw.strip()[:1] in ("'", '"') and isinstance(value, str)
+            if not quoted and not (nullable and value is None):
+                value = raw
+        parsed.append((key, value))
     return parsed
 
 
@@ -251,7 +329,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {path} must hold a mapping of sections, not {type(loaded).__name__}")
         tree = _deep_merge(tree, loaded)
         origin = str(path)
-    for key, value in parse_overrides(overrides or []):
+    for key, value in parse_overrides(overrides or [], schema):
         _set_dotted(tree, key, value)
     try:
         return schema.model_validate(tree)
@@ -263,7 +341,8 @@ def dump_config(config: FinetuneConfig, path: Path) -> None:
     path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
 
 
-# What a resumed run may change: where it lives, how long it goes on, and how it is evaluated in batches.
+# What a resumed run may change: where it lives, how long it goes on, and how it is evaluated in batches
+# (train.steps only under a constant lr schedule, federation.rounds only without a cosine server decay).
 RESUMABLE_CHANGES = frozenset({"out_dir", "train.steps", "federation.rounds", "train.eval_batch_size"})
 
 
@@ -284,8 +363,9 @@ def _resolved_view(config: FinetuneConfig) -> dict[str, Any]:
     if isinstance(config, FederatedConfig):
         prefix = "federation.server_optimizer."
         flat = {k: v for k, v in flat.items() if not k.startswith(prefix)}
-        resolved = config.federation.server_optimizer.build(config.federation.method, config.federation.rounds)
-        flat.update({prefix + k: v for k, v in dataclasses.asdict(resolved).items()})
+        section, fed = config.federation.server_optimizer, config.federation
+        section.build(fed.method, fed.rounds)  # settings that do not go together fail here, naming the section
+        flat.update({prefix + k: v for k, v in section.resolved(fed.method, fed.rounds).items()})
     return flat
 
 
@@ -301,3 +381,12 @@ def check_resumed_config(config: FinetuneConfig, stored_path: Path) -> None:
     if changed:
         raise ConfigError(f"cannot resume {stored_path.parent}: its run was made with another config; "
                           f"changed: {', '.join(changed)}")
+    schedule = config.optimizer.schedule
+    if not isinstance(config, FederatedConfig) and schedule != "constant" \
+            and stored["train.steps"] != new["train.steps"]:
+        # A linear or cosine lr spans train.steps: more (or fewer) steps would give the steps left another curve
+        # than the one the steps already taken followed, a run that no single config describes.
+        raise ConfigError(f"cannot resume {stored_path.parent} with train.steps={new['train.steps']}: its "
+                          f"optimizer.schedule={schedule} spans its train.steps={stored['train.steps']}; resume with "
+                          f"train.steps={stored['train.steps']}, or start a new run (a constant schedule can be "
+                          f"extended)")

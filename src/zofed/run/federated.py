@@ -26,10 +26,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from zofed.data.partition import ClientSplit, client_splits, format_summary, plot_partition, summarize
+from zofed.fl.aggregate import make_aggregator
 from zofed.fl.client import ClientContext
-from zofed.fl.first_order import FIRST_ORDER_METHODS, SERVER_OPTIMIZER_OF
-from zofed.fl.personal import BlockSampling
-from zofed.fl.roles import FederationPlan, ServerRole
+from zofed.fl.methods import get_method
+from zofed.fl.plan import FederationPlan
+from zofed.fl.roles import ServerRole
 from zofed.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, write_atomic_text
 from zofed.run.config import ConfigError, FederatedConfig, check_resumed_config, dump_config
 from zofed.run.metrics import MetricsLog
@@ -37,14 +38,25 @@ from zofed.run.setup import Setup, build, eval_indices, save_final
 from zofed.sim.engine import simulate
 
 
+def per_client_metric(setup: Setup, splits: list[ClientSplit], batch_size: int) -> tuple[str, list[float]]:
+    """The global model on each client's own held-out examples (personalized evaluation): the task's headline
+    metric (accuracy for classification, loss for a causal LM) and its value per client with test examples."""
+    results = [setup.task.evaluate(setup.model, setup.train, batch_size, s.test) for s in splits if len(s.test)]
+    metric = "accuracy" if not results or "accuracy" in results[0] else "loss"
+    return metric, [r[metric] for r in results]
+
+
 def per_client_accuracy(setup: Setup, splits: list[ClientSplit], batch_size: int) -> list[float]:
-    """The global model's accuracy on each client's own held-out examples (personalized evaluation)."""
-    evaluate = setup.task.evaluate
-    return [evaluate(setup.model, setup.train, batch_size, s.test)["accuracy"] for s in splits if len(s.test)]
+    """Per-client accuracy of a classification task (see per_client_metric)."""
+    metric, values = per_client_metric(setup, splits, batch_size)
+    if metric != "accuracy":
+        raise ValueError(f"per-client accuracy needs a classification task; this task reports {metric}")
+    return values
 
 
-def worst_decile_mean(values: list[float]) -> float:
-    ordered = sorted(values)
+def worst_decile_mean(values: list[float], higher_is_better: bool = True) -> float:
+    """The mean of the worst tenth of the values (the lowest accuracies, or the highest losses)."""
+    ordered = sorted(values, reverse=not higher_is_better)
     return float(np.mean(ordered[: max(1, len(ordered) // 10)]))
 
 
@@ -120,6 +132,8 @@ class FederatedRun:
                 shown = f"loss {record['train_loss']:.3f}"
                 if "eval_accuracy" in record:
                     shown += f" | eval acc {record['eval_accuracy']:.4f}"
+                elif "eval_loss" in record:
+                    shown += f" | eval loss {record['eval_loss']:.4f}"
                 if record["rejected"]:
                     shown += f" | rejected {len(record['rejected'])}"
                 progress.update(bar, advance=1, status=shown)
@@ -131,21 +145,23 @@ class FederatedRun:
         setup, config, fed = self.setup, self.config, self.config.federation
         save_final(setup, self.out)
         test = setup.task.evaluate(setup.model, setup.test, config.train.eval_batch_size)
-        clients = per_client_accuracy(setup, self.splits, config.train.eval_batch_size)
+        metric, clients = per_client_metric(setup, self.splits, config.train.eval_batch_size)
         records = self.metrics.read()
         history = [r for r in records if r["event"] == "round"]
-        start = [r["eval_accuracy"] for r in records if r["event"] == "eval" and r.get("round") == 0]
-        evaluated = [r["eval_accuracy"] for r in history if "eval_accuracy" in r]
+        key = f"eval_{metric}"
+        start = [r[key] for r in records if r["event"] == "eval" and r.get("round") == 0 and key in r]
+        evaluated = [r[key] for r in history if key in r]
         results = {"test": test, "test_examples": len(setup.test), "method": fed.method, "rounds": fed.rounds,
-                   "client_accuracies": clients,
-                   "client_accuracy_mean": float(np.mean(clients)) if clients else None,
-                   "client_accuracy_worst10": worst_decile_mean(clients) if clients else None,
+                   "client_metric": metric, f"client_{metric}s" if metric == "loss" else "client_accuracies": clients,
+                   f"client_{metric}_mean": float(np.mean(clients)) if clients else None,
+                   f"client_{metric}_worst10": worst_decile_mean(clients, metric != "loss") if clients else None,
                    "bytes_up_per_client_round": float(np.mean([r["bytes_up_per_client"] for r in history])),
                    "bytes_down_per_client_round": float(np.mean([r["bytes_down_per_client"] for r in history])),
                    "forward_passes": history[-1]["forward_passes"] if history else 0,
+                   "forward_passes_per_client_round": history[-1]["forward_passes_per_client"] if history else 0,
                    "rejected_uplinks": sum(len(r["rejected"]) for r in history),
-                   "eval_accuracy_start": start[-1] if start else None,
-                   "eval_accuracy_final": evaluated[-1] if evaluated else None,
+                   f"{key}_start": start[-1] if start else None,
+                   f"{key}_final": evaluated[-1] if evaluated else None,
                    "trainable_parameters": setup.trainable.numel(), "seconds_this_sitting": seconds, **extra}
         write_atomic_text(self.out / "results.json", json.dumps(results, indent=2))
         return results
@@ -161,13 +177,14 @@ def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Conso
             raise ConfigError(f"{out} already holds a run; pass --resume to continue it or choose another out_dir")
         check_resumed_config(config, out / "config.yaml")
     fed = config.federation
-    first_order = fed.method in FIRST_ORDER_METHODS
-    if not first_order and config.optimizer.name != "mezo":
+    method = get_method(fed.method)
+    if not method.first_order and config.optimizer.name != "mezo":
         raise ConfigError(f"federated clients run MeZO locally (their steps must be rebuilt from seeds and scalars); "
                           f"optimizer.name={config.optimizer.name!r} is not supported here yet")
-    if first_order and fed.server_optimizer.name not in (None, SERVER_OPTIMIZER_OF[fed.method]):
-        raise ConfigError(f"{fed.method} uses the {SERVER_OPTIMIZER_OF[fed.method]} server optimizer: set "
-                          f"federation.server_optimizer.name={SERVER_OPTIMIZER_OF[fed.method]}")
+    fixed = method.server_default.name
+    if method.first_order and fed.server_optimizer.name not in (None, fixed):  # the server half of the method
+        raise ConfigError(f"{fed.method} uses the {fixed} server optimizer: set "
+                          f"federation.server_optimizer.name={fixed}")
     server_optimizer = fed.server_optimizer.build(fed.method, fed.rounds)
     out.mkdir(parents=True, exist_ok=True)
     dump_config(config, out / "config.yaml")
@@ -180,14 +197,12 @@ def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Conso
     plot_partition(setup.train_data, [s.train for s in splits], out / "partition.png",
                    title=f"{fed.partition.scheme} (alpha {fed.partition.alpha}), {len(splits)} clients")
 
-    method = fed.round_method()
-    local_lr = fed.first_order_lr if first_order else config.optimizer.lr
-    plan = FederationPlan(method, len(splits), fed.clients_per_round, fed.local_steps, local_lr,
-                          config.zo.eps, config.train.seed, config.zo.queries, config.train.batch_size,
-                          config.zo.noise, fed.pool_size)
-    server = ServerRole(plan, setup.trainable.tensors(), setup.trainable.masks, server_optimizer,
-                        BlockSampling(fed.sampling.mix, fed.sampling.prior_weight, fed.sampling.tilt,
-                                      fed.sampling.blocks, fed.sampling.shared_seeds))
+    plan = FederationPlan.from_config(config, len(splits))
+    try:
+        server = ServerRole(plan, setup.trainable.tensors(), setup.trainable.masks, server_optimizer,
+                            make_aggregator(fed.aggregator))
+    except ValueError as err:  # the method's own settings that cannot go with the rest (e.g. a tilt without momentum)
+        raise ConfigError(f"federation: {err}") from None
     metrics = MetricsLog(out / "metrics.jsonl")
     start_round = 0
     if find_checkpoint(out / "checkpoint") is not None:
@@ -208,13 +223,8 @@ def run_federated(config: FederatedConfig, *, resume: bool = False, show_progres
     """Run the configured federation on the in-process engine; returns (and writes) the final results."""
     console = console or Console()
     run = prepare_run(config, resume=resume, console=console)
-    fed, plan = config.federation, run.plan
     t0 = time.perf_counter()
     with run.progress(console, show_progress) as on_round:
-        simulate(run.client_context(), [s.train for s in run.splits], method=plan.method, rounds=fed.rounds,
-                 clients_per_round=fed.clients_per_round, local_steps=fed.local_steps, lr=plan.lr,
-                 eps=plan.eps, run_seed=plan.run_seed, batch_size=plan.batch_size, queries=plan.queries,
-                 noise=plan.noise, pool_size=plan.pool_size, first_order_optimizer=fed.first_order_optimizer,
-                 evaluate=run.evaluate, on_round=on_round, start_round=run.start_round, server=run.server,
-                 on_checkpoint=run.checkpoint)
+        simulate(run.client_context(), [s.train for s in run.splits], run.server, config.federation.rounds,
+                 start_round=run.start_round, evaluate=run.evaluate, on_round=on_round, on_checkpoint=run.checkpoint)
     return run.finish(time.perf_counter() - t0)

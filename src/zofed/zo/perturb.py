@@ -28,6 +28,14 @@ class Perturbation:
     momentum_weight: float = 0.0
     momentum_rms: Sequence[float] | None = None  # normalizes each momentum buffer to unit RMS
 
+    def pool_key(self) -> tuple | None:
+        """Terms under perturbations with equal keys may be added in one pass (their shared seeds then merge);
+        None for a per-step perturbation (own scales or momentum), whose terms are added on their own. Masks are
+        compared by identity: they are shared objects, too large to compare."""
+        if self.scales is not None or self.momentum is not None:
+            return None
+        return (self.kind, None if self.masks is None else id(self.masks))
+
     def scale(self, i: int) -> float:
         return 1.0 if self.scales is None else float(self.scales[i])
 

@@ -1,0 +1,128 @@
+"""zofed's own method: each client perturbs one block a step, drawn from its own distribution (personal.py),
+and the server applies block-wise adaptive momentum (its default server optimizer).
+
+The downlink carries the client's block distribution pi (and, with a tilt, the server's first moment); every
+step's perturbation is a function of its seed and that state, so the server rebuilds exactly what the client
+did. The squared scalars the clients upload are the server's probes of each block's gradient energy, from which
+it fits every client's next pi (`observe`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from zofed import streams
+from zofed.fl.methods.base import Method, ServerDefault, StepSeeds, private_seeds
+from zofed.fl.personal import (
+    BlockSampling,
+    BlockStats,
+    MomentumTilt,
+    block_sizes,
+    check_distribution,
+    client_distribution,
+    draw_block,
+    expected_update_square,
+    global_energy,
+    probe_energy,
+    step_perturbation,
+    tensor_blocks,
+)
+from zofed.fl.plan import LocalTraining
+from zofed.fl.protocol import ClientUpdate, step_seeds
+from zofed.zo.perturb import Perturbation
+
+if TYPE_CHECKING:
+    from zofed.fl.roles import ServerRole
+
+
+@dataclass
+class BlockState:
+    """The server's view of the blocks: layout and sizes (fixed by the model), and the probed energies."""
+
+    layout: np.ndarray  # each tensor's block
+    tensor_sizes: np.ndarray  # coordinates each tensor can move
+    sizes: np.ndarray  # coordinates each block can move
+    numels: np.ndarray  # elements of each tensor
+    stats: BlockStats
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        return self.stats.to_tensors()
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.stats = BlockStats.from_tensors(tensors)
+
+
+def block_probes(update: ClientUpdate, pi: np.ndarray) -> tuple[list[int], list[float]]:
+    """The blocks a client's steps drew and their energy estimates pi_b g^2 (mean over queries)."""
+    blocks = [draw_block(int(s), pi) for s in step_seeds(update)]
+    energies = [float(np.mean([probe_energy(g, pi, b) for g in row])) for b, row in zip(blocks, update.grads,
+                                                                                   strict=True)]
+    return blocks, energies
+
+
+class Zofed(Method):
+    name = "zofed"
+    summary = ("one block a step, drawn from each client's own distribution; base seed and one scalar a step "
+               "uploaded; block-wise adaptive momentum on the server")
+    uses_sampling = True
+    server_default = ServerDefault("adam", 1e-2, "tensor", relative=True)
+
+    def round_method(self, personalize: bool) -> str:
+        return self.name if personalize else "zo-seeds"  # without personalization every step is dense
+
+    def round_plan(self, local: LocalTraining, sampling: BlockSampling) -> LocalTraining:
+        return replace(local, tilt=sampling.tilt, blocks=sampling.blocks, shared_seeds=int(sampling.shared_seeds))
+
+    def step_seeds(self, local: LocalTraining, client_id: int) -> StepSeeds:
+        return private_seeds(local, streams.SHARED_OWNER if local.shared_seeds else client_id)
+
+    def perturbations(self, local: LocalTraining, like: Sequence[torch.Tensor],
+                      masks: Sequence[torch.Tensor | None] | None, seeds: Sequence[int],
+                      server_state: np.ndarray) -> list[Perturbation]:
+        layout = tensor_blocks(like, local.blocks)
+        num_blocks = int(layout.max()) + 1
+        pi = server_state[:num_blocks]
+        check_distribution(pi, num_blocks)
+        tilt = MomentumTilt.from_flat(server_state[num_blocks:], like, local.tilt) if local.tilt else None
+        return [step_perturbation(seed, pi, local.noise, masks, tilt, layout)[0] for seed in seeds]
+
+    def init_state(self, server: ServerRole) -> BlockState:
+        sampling = server.plan.sampling
+        if sampling.tilt and "m" not in server.opt_state.buffers:
+            raise ValueError("a momentum tilt needs a server optimizer with momentum (adam, yogi or amsgrad)")
+        layout = tensor_blocks(server.tensors, sampling.blocks)
+        sizes = block_sizes(server.tensors, server.masks, layout)
+        return BlockState(layout, block_sizes(server.tensors, server.masks), sizes,
+                          np.asarray([t.numel() for t in server.tensors], dtype=np.float64),
+                          BlockStats.zeros(server.plan.num_clients, len(sizes)))
+
+    def server_state(self, server: ServerRole, local: LocalTraining, client_id: int) -> np.ndarray:
+        """The client's pi (and, with a tilt, the server's first moment after it)."""
+        state: BlockState = server.method_state
+        pi = client_distribution(state.stats, client_id, state.sizes, server.plan.sampling)
+        if not local.tilt:
+            return pi
+        return np.concatenate([pi, torch.cat(server.opt_state.buffers["m"]).numpy().astype(np.float32)])
+
+    def observe(self, server: ServerRole, local: LocalTraining, accepted: Sequence[ClientUpdate],
+                sent: dict[int, np.ndarray]) -> dict[str, Any]:
+        """Files each step's probe under its client and block; with a warm-started server optimizer, returns
+        each tensor's expected mean square of this round's update."""
+        state: BlockState = server.method_state
+        num_blocks = len(state.sizes)
+        pis = {u.client_id: sent[u.client_id][:num_blocks] for u in accepted}
+        probes = {u.client_id: block_probes(u, pis[u.client_id]) for u in accepted}
+        for client_id, (blocks, energies) in probes.items():
+            state.stats.record(client_id, blocks, energies)
+        if "expected_square" not in server.optimizer.extras:
+            return {}
+        total = sum(u.num_examples for u in accepted)
+        steps = [(u.num_examples / total, pis[u.client_id][b], b) for u in accepted for b in probes[u.client_id][0]]
+        energy = global_energy(state.stats, state.sizes, server.plan.sampling)
+        return {"expected_square": expected_update_square(energy, state.tensor_sizes, state.numels, local.lr,
+                                                          local.queries, steps, state.layout)}

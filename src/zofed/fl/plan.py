@@ -1,0 +1,94 @@
+"""What a federated run asks of its clients: the run's plan, and the round plan every client receives.
+
+`FederationPlan` is fixed for the whole run and built once from the config (`from_config`); each round's
+`LocalTraining` travels to the clients inside the downlink (`to_config` / `from_config`), so a client needs
+nothing but the downlink to train.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+from zofed.fl.personal import BlockSampling
+
+if TYPE_CHECKING:
+    from zofed.run.config import FederatedConfig
+
+
+@dataclass(frozen=True)
+class LocalTraining:
+    """What the server asks of every client in one round (the round plan)."""
+
+    method: str
+    run_seed: int
+    round_id: int
+    local_steps: int
+    lr: float
+    eps: float
+    queries: int = 1
+    batch_size: int = 16
+    noise: str = "rademacher"
+    pool_size: int = 0  # fedkseed
+    tilt: float = 0.0  # zofed: lean towards the server's first moment (sent with the downlink)
+    blocks: int = 0  # zofed: how many blocks the trainable tensors are cut into (0: one per tensor)
+    shared_seeds: int = 0  # zofed: 1 when the round's clients share their step seeds
+
+    def to_config(self) -> dict[str, float | int | str]:
+        """The round plan as the downlink's config entries."""
+        return asdict(self)
+
+    @classmethod
+    def from_config(cls, config: dict) -> LocalTraining:
+        missing = [f.name for f in fields(cls) if f.name not in config]
+        if missing:
+            raise ValueError(f"round config lacks {', '.join(missing)}")
+        casts = {"int": int, "float": float, "str": str}
+        try:
+            return cls(**{f.name: casts[f.type](config[f.name]) for f in fields(cls)})
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"round config has a value of the wrong type: {err}") from None
+
+
+@dataclass(frozen=True)
+class FederationPlan:
+    """What stays fixed for a whole run: the method the rounds run and how each round is asked of the clients."""
+
+    method: str
+    num_clients: int
+    clients_per_round: int
+    local_steps: int
+    lr: float
+    eps: float
+    run_seed: int = 0
+    queries: int = 1
+    batch_size: int = 16
+    noise: str = "rademacher"
+    pool_size: int = 0
+    sampling: BlockSampling = field(default_factory=BlockSampling)
+    first_order_optimizer: str = "adamw"
+
+    @classmethod
+    def from_config(cls, config: FederatedConfig, num_clients: int) -> FederationPlan:
+        """The plan of a configured run over `num_clients` clients (the partition decides how many)."""
+        from zofed.fl.methods import get_method
+
+        fed, sampling = config.federation, config.federation.sampling
+        method = get_method(fed.method)
+        settings: dict[str, Any] = {
+            "method": method.round_method(sampling.personalize), "num_clients": num_clients,
+            "clients_per_round": fed.clients_per_round, "local_steps": fed.local_steps,
+            "lr": fed.first_order_lr if method.first_order else config.optimizer.lr, "eps": config.zo.eps,
+            "run_seed": config.train.seed, "queries": config.zo.queries, "batch_size": config.train.batch_size,
+            "noise": config.zo.noise, "pool_size": fed.pool_size,
+            "sampling": BlockSampling(sampling.mix, sampling.prior_weight, sampling.tilt, sampling.blocks,
+                                      sampling.shared_seeds),
+            "first_order_optimizer": fed.first_order_optimizer}
+        return cls(**settings)
+
+    def round(self, round_id: int) -> LocalTraining:
+        from zofed.fl.methods import get_method
+
+        local = LocalTraining(self.method, self.run_seed, round_id, self.local_steps, self.lr, self.eps,
+                              self.queries, self.batch_size, self.noise, self.pool_size)
+        return get_method(self.method).round_plan(local, self.sampling)

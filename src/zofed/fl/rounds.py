@@ -1,0 +1,82 @@
+"""One federated round, whatever carries its messages: the in-process engine and the Flower backend both call
+`run_round` and differ only in `deliver`, which takes the round's downlinks and returns each client's reply.
+
+    local = server.round_plan(r); sampled = server.sample(r)
+    downlinks = [(c, server.downlink(local, c)) for c in sampled]
+    replies = deliver(r, downlinks)                   # uplink bytes, or a Failure with its reason
+    every reply, in ascending client id: server.receive(...)   (the aggregate sums in one order everywhere)
+    fewer accepted than `min_accepted`: RoundFailed, the model untouched
+    server.aggregate(local, inbox)
+
+The round record (metrics every backend writes) counts bytes from the encoded messages and client compute in
+forward passes of the full model (the method's count: two per ZO query and step, three per back-propagated step).
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from zofed.fl.roles import ServerRole
+from zofed.fl.server import RoundInbox
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A client that gave no usable reply; `reason` starts with a short code (missing, client_error, ...)."""
+
+    reason: str
+
+
+Deliver = Callable[[int, Sequence[tuple[int, bytes]]], dict[int, "bytes | Failure"]]
+
+
+class RoundFailed(RuntimeError):
+    """Too few clients of a round gave a usable uplink; `record` is the round's record (nothing was applied)."""
+
+    def __init__(self, message: str, record: dict) -> None:
+        super().__init__(message)
+        self.record = record
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far (Linux reports KiB)."""
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def run_round(server: ServerRole, round_id: int, deliver: Deliver, *, min_accepted: int = 0) -> dict:
+    """Plan, deliver, receive and aggregate one round; returns its record."""
+    t0 = time.perf_counter()
+    local = server.round_plan(round_id)
+    sampled = server.sample(round_id)
+    downlinks = [(c, server.downlink(local, c)) for c in sampled]
+    replies = deliver(round_id, downlinks)
+    inbox = RoundInbox()
+    for client_id in sampled:
+        reply = replies.get(client_id, Failure("missing: no reply"))
+        if isinstance(reply, Failure):
+            inbox.rejected.append((client_id, reply.reason))
+        else:
+            server.receive(inbox, local, client_id, reply)
+    losses = [u.metrics["train_loss"] for u in inbox.accepted if "train_loss" in u.metrics]
+    per_client = server.method.forward_passes(local)
+    record = {"round": round_id + 1, "clients": sampled, "accepted": len(inbox.accepted),
+              "rejected": [{"client": c, "reason": r} for c, r in inbox.rejected],
+              "bytes_up_per_client": float(np.mean(inbox.bytes_up)) if inbox.bytes_up else 0.0,
+              "bytes_down_per_client": float(np.mean([len(d) for _, d in downlinks])),
+              "train_loss": float(np.mean(losses)) if losses else float("nan"),
+              # every round samples the same number of clients, so the run's compute so far is a product
+              "forward_passes_per_client": per_client,
+              "forward_passes": per_client * len(sampled) * (round_id + 1)}
+    if len(inbox.accepted) < min_accepted:
+        record.update(round_seconds=round(time.perf_counter() - t0, 3), peak_rss_mib=peak_rss_mib())
+        reasons = "; ".join(f"client {c}: {r}" for c, r in inbox.rejected)
+        raise RoundFailed(f"round {round_id + 1}: {len(inbox.accepted)} of {len(sampled)} sampled clients gave a "
+                          f"usable uplink, fewer than the {min_accepted} the round needs ({reasons})", record)
+    server.aggregate(local, inbox)
+    record.update(round_seconds=round(time.perf_counter() - t0, 3), peak_rss_mib=peak_rss_mib())
+    return record

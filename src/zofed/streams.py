@@ -1,0 +1,45 @@
+"""Every random stream of a run, named in one place.
+
+A run repeats bit for bit because each random choice draws from its own stream, derived from the run seed and
+the coordinates of the choice (round, client, step). Two choices that drew from the same stream would be
+correlated (FedKSeed's seed picks once shared the stream of local step 7's batch), so every stream is made
+here, with a tag no other stream can take:
+
+| stream                  | seeded by                                       | used for                              |
+|-------------------------|-------------------------------------------------|---------------------------------------|
+| client sampling         | [run seed, round, CLIENT_SAMPLING]              | the clients of a round                |
+| local batch             | [run seed, round, client, step]                 | a client's batch at a local step      |
+| FedKSeed picks          | [run seed, KSEED_PICKS, round, client]          | which pool seeds a client's steps use |
+| centralized batch       | [run seed, step]                                | centralized fine-tuning's batch       |
+| step seeds (derive_seed)| (run seed, round, owner) then (base, step)      | perturbation seeds (zo/noise.py)      |
+| FedKSeed pool           | derive_seed(run seed, KSEED_POOL + j)           | the K candidate seeds                 |
+| block draw              | derive_seed(step seed, BLOCK_DRAW)              | zofed's block of a step               |
+
+Tags sit far above any round, client or step index (those are below 2**32), so no two streams meet.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+CLIENT_SAMPLING = 11  # third entry of [run seed, round, tag]: no other stream has three entries
+KSEED_PICKS = 2**32 + 7  # second entry: above every round index, so never a local batch's stream
+SHARED_OWNER = 2**32 - 1  # the owner slot of step seeds that every client of a round shares
+KSEED_POOL = 2**40  # derive_seed slot offset of FedKSeed's pool seeds
+BLOCK_DRAW = 2**41  # derive_seed slot of zofed's block draw, apart from the noise's own use of a step seed
+
+
+def client_sampling(run_seed: int, round_id: int) -> np.random.Generator:
+    return np.random.default_rng([run_seed, round_id, CLIENT_SAMPLING])
+
+
+def local_batch(run_seed: int, round_id: int, client_id: int, step: int) -> np.random.Generator:
+    return np.random.default_rng([run_seed, round_id, client_id, step])
+
+
+def kseed_picks(run_seed: int, round_id: int, client_id: int) -> np.random.Generator:
+    return np.random.default_rng([run_seed, round_id, client_id, 7])  # TEMP
+
+
+def centralized_batch(seed: int, step: int) -> np.random.Generator:
+    return np.random.default_rng([seed, step])
