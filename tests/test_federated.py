@@ -168,3 +168,18 @@ def test_fedavg_run_and_its_bytes():
     assert all(r["accepted"] == 3 for r in history)
     numel = sum(t.numel() for t in result.global_tensors)
     assert history[0]["bytes_up_per_client"] > 4 * numel  # the dense update crosses the wire
+
+
+def test_fedkseed_picks_are_not_the_stream_of_any_local_batch():
+    """FedKSeed's seed picks once drew from [run seed, round, client, 7], the stream of local step 7's batch: the
+    picks and that batch were the same random numbers. Every stream now carries its own tag (streams.py)."""
+    from zofed import streams
+
+    local = LocalTraining("fedkseed", 3, 2, local_steps=12, lr=1e-2, eps=1e-2, pool_size=64)
+    picks = streams.kseed_picks(3, 2, 1).integers(0, 64, size=12)
+    for step in range(12):
+        assert not np.array_equal(streams.local_batch(3, 2, 1, step).integers(0, 64, size=12), picks)
+    pool = get_method("fedkseed").step_seeds(local, 1).seeds
+    from zofed.fl.methods import kseed_pool
+
+    assert pool == [int(kseed_pool(3, 64)[i]) for i in picks]

@@ -38,7 +38,7 @@ def local_batch(run_seed: int, round_id: int, client_id: int, step: int) -> np.r
 
 
 def kseed_picks(run_seed: int, round_id: int, client_id: int) -> np.random.Generator:
-    return np.random.default_rng([run_seed, round_id, client_id, 7])  # TEMP
+    return np.random.default_rng([run_seed, KSEED_PICKS, round_id, client_id])
 
 
 def centralized_batch(seed: int, step: int) -> np.random.Generator:
