@@ -3,6 +3,7 @@
 import csv
 import json
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -168,3 +169,28 @@ def test_a_cosine_server_step_cannot_be_stretched_over_more_rounds_on_resume(tin
     with pytest.raises(ConfigError, match=r"federation.server_optimizer.decay_rounds \(1 -> 2\)"):
         run_federated(_config(tiny_workspace, out, "federation.rounds=2", "federation.server_optimizer.decay=cosine"),
                       resume=True, show_progress=False)
+
+
+def test_a_federated_causal_lm_run_finishes_and_scores_each_client_by_its_loss(tiny_workspace, tmp_path):
+    """A causal-LM task reports a loss, not an accuracy: the per-client evaluation after training read
+    `accuracy` and crashed."""
+    out = tmp_path / "lm"
+    results = run_federated(_config(tiny_workspace, out, "task.type=causal-lm", "federation.method=zo-seeds"),
+                            show_progress=False)
+    assert results["client_metric"] == "loss" and "accuracy" not in results["test"]
+    assert len(results["client_losses"]) == 4 and all(np.isfinite(results["client_losses"]))
+    assert results["client_loss_worst10"] == max(results["client_losses"])  # the worst tenth of 4 is the highest
+    assert results["eval_loss_start"] is not None and results["eval_loss_final"] is not None
+
+
+@pytest.mark.parametrize(("method", "per_step"), [("zo-seeds", 2), ("fedavg", 3), ("fedmezo", 4)])
+def test_client_compute_is_counted_in_full_forward_passes_for_every_method(tiny_workspace, tmp_path, method,
+                                                                           per_step):
+    """Two forwards per ZO query and step (fedmezo here with 2 queries), a forward plus a backward worth two per
+    back-propagated step: FedAvg rows used to report the ZO count."""
+    extra = ["zo.queries=2"] if method == "fedmezo" else []
+    results = run_federated(_config(tiny_workspace, tmp_path / method, f"federation.method={method}", *extra),
+                            show_progress=False)
+    rounds, clients, steps = 3, 2, 2
+    assert results["forward_passes_per_client_round"] == per_step * steps
+    assert results["forward_passes"] == per_step * steps * clients * rounds

@@ -152,7 +152,7 @@ class FederatedRun:
         start = [r[key] for r in records if r["event"] == "eval" and r.get("round") == 0 and key in r]
         evaluated = [r[key] for r in history if key in r]
         results = {"test": test, "test_examples": len(setup.test), "method": fed.method, "rounds": fed.rounds,
-                   "client_metric": metric, f"client_{metric}s" if metric == "loss" else "client_accuracies": clients,
+                   "client_metric": metric, "client_accuracies" if metric == "accuracy" else "client_losses": clients,
                    f"client_{metric}_mean": float(np.mean(clients)) if clients else None,
                    f"client_{metric}_worst10": worst_decile_mean(clients, metric != "loss") if clients else None,
                    "bytes_up_per_client_round": float(np.mean([r["bytes_up_per_client"] for r in history])),
