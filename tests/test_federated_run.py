@@ -194,3 +194,15 @@ def test_client_compute_is_counted_in_full_forward_passes_for_every_method(tiny_
     rounds, clients, steps = 3, 2, 2
     assert results["forward_passes_per_client_round"] == per_step * steps
     assert results["forward_passes"] == per_step * steps * clients * rounds
+
+
+def test_sampling_settings_are_refused_for_methods_that_do_not_read_them(tiny_workspace, tmp_path):
+    """federation.sampling.* shapes zofed's personalized sampling only: set for another method it would be
+    silently ignored, so it is an error naming the key; its default (as a dumped config holds it) is fine."""
+    with pytest.raises(ConfigError, match="sampling.blocks is a setting of zofed's personalized sampling"):
+        _config(tiny_workspace, tmp_path, "federation.method=decomfl", "federation.sampling.blocks=2")
+    assert _config(tiny_workspace, tmp_path, "federation.method=decomfl",
+                   "federation.sampling.mix=0.3").federation.sampling.mix == 0.3
+    assert _config(tiny_workspace, tmp_path, "federation.sampling.blocks=2").federation.sampling.blocks == 2
+    with pytest.raises(ConfigError, match="unknown aggregator 'median'"):
+        _config(tiny_workspace, tmp_path, "federation.aggregator=median")
