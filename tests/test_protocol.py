@@ -1,4 +1,4 @@
-"""Tests for zofed.fl.protocol: round trips, byte sizes, and every malformed input raising MessageError."""
+"""Tests for zofed.fl.protocol (version 2): round trips, byte sizes, and every malformed input raising MessageError."""
 
 from __future__ import annotations
 
@@ -25,27 +25,22 @@ from zofed.zo.noise import derive_seed
 
 PREFIX = struct.Struct("<4sHBI")
 BASE_SEED = derive_seed(2024, 7)
+CONFIG = {"lr": 1e-4, "local_steps": 50, "opt": "zo-sgd"}
 
 
-def uplink(steps: int = 50, queries: int = 1, blocks: int = 8, explicit: bool = False, seed: int = 0,
-           **changes) -> ClientUpdate:
+def uplink(steps: int = 50, queries: int = 1, explicit: bool = False, seed: int = 0, **changes) -> ClientUpdate:
     rng = np.random.default_rng(seed)
     seeds = rng.integers(0, 2**63, steps, dtype=np.uint64) if explicit else np.zeros(0, np.uint64)
     msg = ClientUpdate(round_id=3, client_id=7, seeds=seeds, base_seed=None if explicit else BASE_SEED,
-                       grads=rng.standard_normal((steps, queries)).astype(np.float32),
-                       personalization=rng.random(blocks, dtype=np.float32), num_examples=128,
+                       grads=rng.standard_normal((steps, queries)).astype(np.float32), num_examples=128,
                        metrics={"loss": 0.6931471805599453})
     return replace(msg, **changes)
 
 
-def downlink(mode: str = "log", **changes) -> ServerBroadcast:
-    rng = np.random.default_rng(1)
-    msg = ServerBroadcast(round_id=3, mode=mode, seeds=np.arange(4, dtype=np.uint64) * 2**40,
-                          log_seeds=rng.integers(0, 2**63, 6, dtype=np.uint64),
-                          log_coeffs=rng.standard_normal((6, 2)).astype(np.float32),
-                          server_state=rng.random(3, dtype=np.float32),
-                          weights=rng.standard_normal(10).astype(np.float32) if mode == "weights" else None,
-                          config={"lr": 1e-4, "local_steps": 50, "opt": "zo-sgd"})
+def downlink(state: int = 3, size: int = 10, seed: int = 1, **changes) -> ServerBroadcast:
+    rng = np.random.default_rng(seed)
+    msg = ServerBroadcast(3, rng.random(state, dtype=np.float32), rng.standard_normal(size).astype(np.float32),
+                          dict(CONFIG))
     return replace(msg, **changes)
 
 
@@ -66,6 +61,12 @@ def split(data: bytes) -> tuple[tuple, dict, bytes]:
     return prefix, json.loads(data[PREFIX.size:end]), data[end:]
 
 
+def pack(kind: int, header: dict, payload: bytes = b"", *, version: int = PROTOCOL_VERSION) -> bytes:
+    """A message built by hand from a header and payload, e.g. one laid out as an older version wrote it."""
+    blob = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    return PREFIX.pack(b"ZOFD", version, kind, len(blob)) + blob + payload
+
+
 def repack(data: bytes, edit=None, *, magic: bytes = b"ZOFD", version: int = PROTOCOL_VERSION, kind: int | None = None,
            header_bytes: bytes | None = None) -> bytes:
     """`data` with one thing changed: `edit(header)` mutates the parsed header, the rest is re-packed as is."""
@@ -80,12 +81,31 @@ def array_entry(header: dict, key: str) -> list:
     return next(e for e in header["a"] if e[0] == key)
 
 
+def insert_array(data: bytes, position: int, key: str, dtype: str, values) -> bytes:
+    """`data` with one more array, descriptor and bytes both, at `position` of the header's array list."""
+    (_, version, kind, _), header, payload = split(data)
+    raw = np.ascontiguousarray(values, dtype=dtype).tobytes()
+    cut = sum(e[3] for e in header["a"][:position])
+    header["a"].insert(position, [key, dtype, list(np.shape(values)), len(raw)])
+    return pack(kind, header, payload[:cut] + raw + payload[cut:], version=version)
+
+
+def remove_array(data: bytes, key: str) -> bytes:
+    """`data` without array `key`, descriptor and bytes both."""
+    (_, version, kind, _), header, payload = split(data)
+    position = [e[0] for e in header["a"]].index(key)
+    cut = sum(e[3] for e in header["a"][:position])
+    nbytes = header["a"].pop(position)[3]
+    return pack(kind, header, payload[:cut] + payload[cut + nbytes:], version=version)
+
+
 def set_value(data: bytes, key: str, index: int, value: float) -> bytes:
     """Overwrite element `index` of float32 array `key` in the payload."""
     _, header, payload = split(data)
     offset = len(data) - len(payload)
     for name, _, _, nbytes in header["a"]:
         if name == key:
+            assert 4 * index < nbytes, (key, index)
             out = bytearray(data)
             struct.pack_into("<f", out, offset + 4 * index, value)
             return bytes(out)
@@ -93,14 +113,52 @@ def set_value(data: bytes, key: str, index: int, value: float) -> bytes:
     raise KeyError(key)
 
 
+# --- the v2 message types -------------------------------------------------------------------------------------------
+
+def test_protocol_version_is_2():
+    assert PROTOCOL_VERSION == 2
+    for data, kind in ((encode(uplink()), 1), (encode(downlink()), 2)):
+        assert PREFIX.unpack_from(data)[:3] == (b"ZOFD", 2, kind)
+
+
+def test_v2_fields():
+    assert [f.name for f in fields(ClientUpdate)] == [
+        "round_id", "client_id", "seeds", "base_seed", "grads", "num_examples", "metrics", "dense"]
+    assert [f.name for f in fields(ServerBroadcast)] == ["round_id", "server_state", "weights", "config"]
+
+
+def test_removed_fields_are_not_accepted():
+    rng = np.random.default_rng(0)
+    with pytest.raises(TypeError):
+        replace(uplink(), personalization=rng.random(8, dtype=np.float32))
+    for removed in ({"mode": "weights"}, {"seeds": np.zeros(0, np.uint64)}, {"log_seeds": np.zeros(0, np.uint64)},
+                    {"log_coeffs": np.zeros(0, np.float32)}):
+        with pytest.raises(TypeError):
+            replace(downlink(), **removed)
+
+
+def test_downlink_weights_are_required_and_config_defaults_to_empty():
+    state = np.zeros(2, np.float32)
+    with pytest.raises(TypeError):
+        ServerBroadcast(3, state)  # type: ignore[call-arg]
+    msg = ServerBroadcast(3, state, np.ones(4, np.float32))
+    assert msg.config == {}
+    back = decode(encode(msg))
+    assert isinstance(back, ServerBroadcast) and back.config == {}
+    np.testing.assert_array_equal(back.weights, np.ones(4, np.float32))
+    assert ServerBroadcast(3, state, np.ones(4, np.float32)).config is not msg.config  # no shared default
+
+
 # --- round trips and sizes ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("msg", [
-    uplink(), uplink(explicit=True, queries=3), uplink(steps=0, blocks=0, metrics={}),
+    uplink(), uplink(explicit=True, queries=3), uplink(steps=0, metrics={}),
     uplink(explicit=True, dense=np.linspace(-1, 1, 17, dtype=np.float32)),
-    downlink(), downlink("weights"), downlink(seeds=np.zeros(0, np.uint64), config={}),
-    downlink(log_coeffs=np.ones(6, np.float32), server_state=np.zeros(0, np.float32)),
-], ids=["base-seed", "explicit-q3", "empty", "dense", "log", "weights", "log-bare", "log-1d"])
+    uplink(dense=np.zeros(0, np.float32)),
+    downlink(), downlink(state=0, config={}), downlink(size=0),
+    downlink(config={"lr": 3, "name": "é", "beta": -0.5, "big": 2**40}),
+], ids=["base-seed", "explicit-q3", "empty", "dense", "dense-empty", "down", "down-bare", "down-empty-weights",
+        "down-config"])
 def test_round_trip(msg):
     data = encode(msg)
     back = decode(data, expect_round=3, expect_client=7)
@@ -108,6 +166,15 @@ def test_round_trip(msg):
     assert encode(back) == data  # canonical: re-encoding gives the same bytes
     assert message_nbytes(msg) == len(data)
     assert_same(decode(bytearray(data)), back)
+    assert_same(decode(memoryview(data)), back)
+
+
+def test_decoded_arrays_are_owned_native_copies():
+    data = bytearray(encode(downlink()))
+    back = decode(data)
+    data[-4:] = b"\x00\x00\x80\x7f"  # +inf into the buffer after decoding
+    assert np.isfinite(back.weights).all()
+    assert back.weights.dtype == np.float32 and back.weights.dtype.isnative and back.weights.flags.owndata
 
 
 def test_encoding_is_deterministic_and_little_endian():
@@ -120,23 +187,54 @@ def test_encoding_is_deterministic_and_little_endian():
     _, _, payload = split(encode(msg))
     assert payload[:8] == struct.pack("<Q", int(msg.seeds[0]))
 
+    down = downlink()
+    configs = replace(down, config={"opt": "zo-sgd", "lr": 1e-4, "local_steps": 50}), down
+    assert encode(configs[0]) == encode(configs[1])
+    swapped_down = replace(down, server_state=down.server_state.astype(">f4"), weights=down.weights.astype(">f4"))
+    assert encode(swapped_down) == encode(down)
+    _, _, payload = split(encode(down))
+    assert payload == down.server_state.astype("<f4").tobytes() + down.weights.astype("<f4").tobytes()
+
+
+def test_canonical_headers():
+    down = downlink()
+    (_, _, _, header_len), header, _ = split(encode(down))
+    assert header == {"a": [["ss", "<f4", [3], 12], ["w", "<f4", [10], 40]], "k": CONFIG, "r": 3}
+    blob = encode(down)[PREFIX.size:PREFIX.size + header_len]
+    assert blob == json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+
+    _, header, _ = split(encode(uplink(steps=4, queries=2)))
+    assert header == {"a": [["s", "<u8", [0], 0], ["g", "<f4", [4, 2], 32]], "b": BASE_SEED, "c": 7,
+                      "m": {"loss": 0.6931471805599453}, "n": 128, "r": 3}
+    _, header, _ = split(encode(uplink(steps=4, dense=np.ones(3, np.float32))))
+    assert [e[0] for e in header["a"]] == ["s", "g", "d"]
+
 
 def test_uplink_size_with_base_seed():
-    msg = uplink(steps=50, queries=1, blocks=8)
+    msg = uplink(steps=50, queries=1)
     size = message_nbytes(msg)
-    assert size < 400, f"50-step uplink with base_seed and 8 blocks is {size} bytes"
-    explicit = message_nbytes(uplink(steps=50, blocks=8, explicit=True))
+    assert size < 360, f"50-step uplink with base_seed is {size} bytes"
+    explicit = message_nbytes(uplink(steps=50, explicit=True))
     assert explicit - size >= 50 * 8 - len(str(BASE_SEED)), (size, explicit)
 
 
 @pytest.mark.parametrize("explicit", [False, True])
 def test_size_is_prefix_header_and_arrays_only(explicit):
-    # the same steps/queries/blocks give the same size whatever the values; nothing model-sized enters
-    sizes = {message_nbytes(uplink(steps=20, queries=2, blocks=5, explicit=explicit, seed=s)) for s in range(5)}
+    # the same steps/queries give the same size whatever the values; nothing model-sized enters
+    sizes = {message_nbytes(uplink(steps=20, queries=2, explicit=explicit, seed=s)) for s in range(5)}
     assert len(sizes) == 1, sizes
-    data = encode(uplink(steps=20, queries=2, blocks=5, explicit=explicit))
+    data = encode(uplink(steps=20, queries=2, explicit=explicit))
     (_, _, _, header_len), _, _ = split(data)
-    assert len(data) == PREFIX.size + header_len + 4 * 20 * 2 + 4 * 5 + (8 * 20 if explicit else 0)
+    assert len(data) == PREFIX.size + header_len + 4 * 20 * 2 + (8 * 20 if explicit else 0)
+
+
+def test_downlink_size_is_prefix_header_state_and_weights():
+    sizes = {message_nbytes(downlink(state=4, size=1000, seed=s)) for s in range(5)}
+    assert len(sizes) == 1, sizes
+    data = encode(downlink(state=4, size=1000))
+    (_, _, _, header_len), _, _ = split(data)
+    assert len(data) == PREFIX.size + header_len + 4 * 4 + 4 * 1000
+    assert message_nbytes(downlink(state=4, size=2000)) - len(data) == 4 * 1000
 
 
 def test_step_seeds():
@@ -165,29 +263,42 @@ def test_message_error_survives_pickling():
 @pytest.mark.parametrize("msg, reason, name", [
     (uplink(grads=np.zeros((50, 1))), "dtype", "grads"),
     (uplink(seeds=[1, 2]), "dtype", "seeds"),
+    (uplink(dense=np.zeros(3)), "dtype", "dense"),
     (uplink(grads=np.zeros(50, np.float32)), "shape", "grads"),
+    (uplink(dense=np.zeros((2, 2), np.float32)), "shape", "dense"),
     (uplink(base_seed=5, seeds=np.arange(50, dtype=np.uint64)), "shape", "base_seed"),
     (uplink(base_seed=None), "shape", "seeds"),
     (uplink(steps=3, queries=0), "shape", "queries"),
     (uplink(round_id=-1), "bad_field", "round_id"),
     (uplink(client_id=2**32), "bad_field", "client_id"),
     (uplink(num_examples=True), "bad_field", "num_examples"),
+    (uplink(base_seed=2**64), "bad_field", "base_seed"),
     (uplink(metrics={"loss": "low"}), "bad_field", "metrics"),
     (uplink(metrics={"loss": float("inf")}), "non_finite", "metrics"),
-    (uplink(personalization=np.array([0, np.nan], np.float32)), "non_finite", "personalization"),
+    (uplink(grads=np.array([[0.0], [np.nan]], np.float32), steps=2), "non_finite", "grads"),
     (uplink(dense=np.array([np.inf], np.float32)), "non_finite", "dense"),
-    (downlink(mode="delta"), "bad_field", "mode"),
-    (downlink(weights=np.zeros(3, np.float32)), "shape", "weights"),
-    (downlink(log_coeffs=np.zeros((5, 2), np.float32)), "shape", "log_coeffs"),
+    (downlink(weights=None), "dtype", "weights"),
+    (downlink(weights=np.zeros(3)), "dtype", "weights"),
+    (downlink(weights=[0.0, 1.0]), "dtype", "weights"),
+    (downlink(server_state=None), "dtype", "server_state"),
+    (downlink(server_state=np.zeros(3, np.float16)), "dtype", "server_state"),
+    (downlink(weights=np.zeros((2, 5), np.float32)), "shape", "weights"),
+    (downlink(server_state=np.zeros((3, 1), np.float32)), "shape", "server_state"),
+    (downlink(round_id=-1), "bad_field", "round_id"),
+    (downlink(round_id=3.0), "bad_field", "round_id"),
     (downlink(config={"lr": [1]}), "bad_field", "config"),
+    (downlink(config={1: "x"}), "bad_field", "config"),
     (downlink(config={"lr": float("nan")}), "non_finite", "config"),
+    (downlink(weights=np.array([0, np.nan], np.float32)), "non_finite", "weights"),
+    (downlink(server_state=np.array([np.inf], np.float32)), "non_finite", "server_state"),
 ])
 def test_invalid_messages_are_not_encoded(msg, reason, name):
     with pytest.raises(MessageError) as info:
         encode(msg)
     assert info.value.reason == reason and name in str(info.value), str(info.value)
-    with pytest.raises(MessageError):
+    with pytest.raises(MessageError) as info:
         validate(msg)
+    assert info.value.reason == reason
 
 
 # --- malformed bytes ------------------------------------------------------------------------------------------------
@@ -196,7 +307,27 @@ UP = encode(uplink())
 UP_EXPLICIT = encode(uplink(steps=4, queries=2, explicit=True))
 UP_DENSE = encode(uplink(dense=np.ones(5, np.float32)))
 DOWN = encode(downlink())
-DOWN_WEIGHTS = encode(downlink("weights"))
+DOWN_BARE = encode(downlink(state=0, size=0, config={}))
+
+# what a version-1 sender wrote: the uplink with personalization "p", the downlink with mode "o", seeds "s" and
+# the update log "ls"/"lc" (log mode: no weights; weights mode: weights last)
+_PERSONALIZATION = np.linspace(0, 1, 8, dtype=np.float32)
+_LOG_SEEDS = np.arange(6, dtype=np.uint64) * 2**40
+_LOG_COEFFS = np.linspace(-1, 1, 12, dtype=np.float32).reshape(6, 2)
+
+
+def v1_downlink(mode: str, *, version: int = 1) -> bytes:
+    msg = downlink()
+    arrays = [("s", "<u8", np.arange(4, dtype=np.uint64)), ("ls", "<u8", _LOG_SEEDS), ("lc", "<f4", _LOG_COEFFS),
+              ("ss", "<f4", msg.server_state)] + ([("w", "<f4", msg.weights)] if mode == "weights" else [])
+    header = {"r": 3, "o": mode, "k": dict(CONFIG),
+              "a": [[key, dtype, list(a.shape), a.nbytes] for key, dtype, a in arrays]}
+    return pack(2, header, b"".join(a.astype(dtype).tobytes() for _, dtype, a in arrays), version=version)
+
+
+def v1_uplink(*, version: int = 1) -> bytes:
+    data = insert_array(UP, 2, "p", "<f4", _PERSONALIZATION)
+    return repack(data, version=version)
 
 
 def edited(data: bytes, fn) -> bytes:  # short alias for the table below
@@ -218,27 +349,53 @@ def _entry(key, position, value):
     return lambda h: array_entry(h, key).__setitem__(position, value)
 
 
+def _shape(key, shape):  # a consistent descriptor (nbytes matching the shape) that no payload backs
+    def edit(h):
+        entry = array_entry(h, key)
+        entry[2], entry[3] = shape, 4 * int(np.prod(shape, dtype=object))
+    return edit
+
+
 MALFORMED = [
     ("magic", b"ZOFX" + UP[4:], {}, "bad_magic"),
     ("magic-repacked", repack(UP, magic=b"\x00ZOF"), {}, "bad_magic"),
-    ("version", repack(UP, version=PROTOCOL_VERSION + 1), {}, "version"),
+    ("version-next", repack(UP, version=PROTOCOL_VERSION + 1), {}, "version"),
+    ("version-0", repack(DOWN, version=0), {}, "version"),
+    ("version-1-stamp-up", repack(UP, version=1), {}, "version"),
+    ("version-1-stamp-down", repack(DOWN, version=1), {}, "version"),
+    ("v1-uplink", v1_uplink(), {}, "version"),
+    ("v1-downlink-log", v1_downlink("log"), {}, "version"),
+    ("v1-downlink-weights", v1_downlink("weights"), {}, "version"),
+    ("version-max", repack(UP, version=2**16 - 1), {}, "version"),
     ("kind", repack(UP, kind=3), {}, "unknown_kind"),
+    ("kind-0", repack(DOWN, kind=0), {}, "unknown_kind"),
     ("kind-swapped", repack(UP, kind=2), {}, "bad_header"),
+    ("kind-swapped-down", repack(DOWN, kind=1), {}, "bad_header"),
     ("too-large", UP, {"max_bytes": len(UP) - 1}, "too_large"),
+    ("too-large-down", DOWN, {"max_bytes": len(DOWN) - 1}, "too_large"),
     ("header-too-large", PREFIX.pack(b"ZOFD", PROTOCOL_VERSION, 1, MAX_HEADER_BYTES + 1) + UP[PREFIX.size:], {},
      "too_large"),
+    ("header-length-max", PREFIX.pack(b"ZOFD", PROTOCOL_VERSION, 2, 2**32 - 1) + DOWN[PREFIX.size:], {},
+     "too_large"),
     ("short-prefix", UP[:5], {}, "truncated"),
+    ("empty", b"", {}, "truncated"),
     ("short-header", UP[:PREFIX.size + 10], {}, "truncated"),
     ("short-payload", UP[:-1], {}, "truncated"),
+    ("short-weights", DOWN[:-4], {}, "truncated"),
+    ("no-payload-down", DOWN[:len(DOWN) - 52], {}, "truncated"),
     ("trailing", UP + b"\x00", {}, "trailing_bytes"),
+    ("trailing-down", DOWN + b"\x00" * 4, {}, "trailing_bytes"),
     ("not-json", repack(UP, header_bytes=b"{not json"), {}, "bad_header"),
     ("not-utf8", repack(UP, header_bytes=b'{"r":"\xff"}'), {}, "bad_header"),
     ("not-object", repack(UP, header_bytes=b"[1,2]"), {}, "bad_header"),
     ("nested", repack(UP, header_bytes=b"[" * 50_000), {}, "bad_header"),
     ("duplicate-key", header_text(UP, '"r":3', '"r":3,"r":3'), {}, "bad_header"),
+    ("duplicate-key-down", header_text(DOWN, '"r":3', '"r":3,"r":3'), {}, "bad_header"),
     ("missing-field", edited(UP, lambda h: h.pop("n")), {}, "bad_header"),
+    ("missing-field-down", edited(DOWN, lambda h: h.pop("k")), {}, "bad_header"),
     ("extra-field", edited(UP, _set("x", 1)), {}, "bad_header"),
     ("round-as-string", edited(UP, _set("r", "3")), {}, "bad_header"),
+    ("round-negative-down", edited(DOWN, _set("r", -1)), {}, "bad_header"),
     ("negative-client", edited(UP, _set("c", -1)), {}, "bad_header"),
     ("client-over-uint32", edited(UP, _set("c", 2**32)), {}, "bad_header"),
     ("base-seed-over-uint64", edited(UP, _set("b", 2**64)), {}, "bad_header"),
@@ -248,34 +405,74 @@ MALFORMED = [
     ("metric-string", edited(UP, _set("m", {"loss": "x"})), {}, "bad_header"),
     ("arrays-not-list", edited(UP, _set("a", {})), {}, "bad_header"),
     ("descriptor-short", edited(UP, lambda h: h["a"][0].pop()), {}, "bad_header"),
+    ("descriptor-key-not-str", edited(DOWN, _entry("w", 0, 1)), {}, "bad_header"),
     ("negative-dim", edited(UP, _entry("g", 2, [-50, -1])), {}, "bad_header"),
     ("arrays-reordered", edited(UP, lambda h: h["a"].reverse()), {}, "bad_header"),
+    ("arrays-reordered-down", edited(DOWN, lambda h: h["a"].reverse()), {}, "bad_header"),
     ("unknown-array", edited(UP, lambda h: h["a"].append(["z", "<f4", [0], 0])), {}, "bad_header"),
-    ("missing-array", edited(UP, lambda h: h["a"].pop(2)), {}, "bad_header"),
-    ("mode-unknown", edited(DOWN, _set("o", "delta")), {}, "bad_header"),
+    ("missing-array", edited(UP, lambda h: h["a"].pop(1)), {}, "bad_header"),
+    ("duplicate-array", insert_array(UP_DENSE, 3, "d", "<f4", np.ones(5, np.float32)), {}, "bad_header"),
+    ("down-without-weights", remove_array(DOWN, "w"), {}, "bad_header"),
+    ("down-without-weights-header-only", edited(DOWN, lambda h: h["a"].pop(1)), {}, "bad_header"),
+    ("down-without-state", remove_array(DOWN, "ss"), {}, "bad_header"),
+    ("down-weights-twice", insert_array(DOWN, 2, "w", "<f4", np.ones(2, np.float32)), {}, "bad_header"),
+    # version-2 stamps on what a version-1 sender would have written, and each removed field alone
+    ("v1-uplink-stamped-2", v1_uplink(version=2), {}, "bad_header"),
+    ("v1-downlink-log-stamped-2", v1_downlink("log", version=2), {}, "bad_header"),
+    ("v1-downlink-weights-stamped-2", v1_downlink("weights", version=2), {}, "bad_header"),
+    ("up-personalization-p", insert_array(UP, 2, "p", "<f4", _PERSONALIZATION), {}, "bad_header"),
+    ("up-personalization-p-after-dense", insert_array(UP_DENSE, 3, "p", "<f4", _PERSONALIZATION), {},
+     "bad_header"),
+    ("up-empty-p", insert_array(UP, 2, "p", "<f4", np.zeros(0, np.float32)), {}, "bad_header"),
+    ("down-old-mode-weights", edited(DOWN, _set("o", "weights")), {}, "bad_header"),
+    ("down-old-mode-log", edited(DOWN, _set("o", "log")), {}, "bad_header"),
+    ("down-old-mode-null", edited(DOWN, _set("o", None)), {}, "bad_header"),
+    ("down-old-seeds-s", insert_array(DOWN, 0, "s", "<u8", np.arange(4, dtype=np.uint64)), {}, "bad_header"),
+    ("down-old-log-seeds-ls", insert_array(DOWN, 0, "ls", "<u8", _LOG_SEEDS), {}, "bad_header"),
+    ("down-old-log-coeffs-lc", insert_array(DOWN, 0, "lc", "<f4", _LOG_COEFFS), {}, "bad_header"),
+    ("down-empty-ls", insert_array(DOWN, 0, "ls", "<u8", np.zeros(0, np.uint64)), {}, "bad_header"),
+    ("down-uplink-array", insert_array(DOWN, 2, "g", "<f4", np.zeros((1, 1), np.float32)), {}, "bad_header"),
     ("config-nested", edited(DOWN, _set("k", {"lr": {"x": 1}})), {}, "bad_header"),
+    ("config-list", edited(DOWN, _set("k", [1])), {}, "bad_header"),
+    ("config-null", edited(DOWN, _set("k", {"lr": None})), {}, "bad_header"),
     ("dtype-f8", edited(UP, _entry("g", 1, "<f8")), {}, "dtype"),
-    ("dtype-big-endian", edited(UP, _entry("p", 1, ">f4")), {}, "dtype"),
+    ("dtype-big-endian", edited(UP, _entry("g", 1, ">f4")), {}, "dtype"),
     ("dtype-seeds-signed", edited(UP_EXPLICIT, _entry("s", 1, "<i8")), {}, "dtype"),
-    ("dtype-object", edited(DOWN, _entry("lc", 1, "O")), {}, "dtype"),
+    ("dtype-dense-f2", edited(UP_DENSE, _entry("d", 1, "<f2")), {}, "dtype"),
+    ("dtype-object", edited(DOWN, _entry("ss", 1, "O")), {}, "dtype"),
+    ("dtype-weights-big-endian", edited(DOWN, _entry("w", 1, ">f4")), {}, "dtype"),
+    ("dtype-weights-u4", edited(DOWN, _entry("w", 1, "<u4")), {}, "dtype"),
     ("length-shape", edited(UP, _entry("g", 2, [49, 1])), {}, "length_mismatch"),
-    ("length-nbytes", edited(UP, _entry("p", 3, 28)), {}, "length_mismatch"),
+    ("length-nbytes", edited(UP, _entry("g", 3, 196)), {}, "length_mismatch"),
+    ("length-weights", edited(DOWN, _entry("w", 3, 36)), {}, "length_mismatch"),
+    ("length-state", edited(DOWN, _entry("ss", 2, [2])), {}, "length_mismatch"),
+    # huge declared lengths are refused before anything is allocated or read
+    ("huge-nbytes", edited(UP, _entry("g", 3, 2**64 - 1)), {}, "length_mismatch"),
+    ("nbytes-over-uint64", edited(UP, _entry("g", 3, 2**64)), {}, "bad_header"),
+    ("dim-over-uint32", edited(UP, _entry("g", 2, [2**32, 1])), {}, "bad_header"),
+    ("huge-grads", edited(UP, _shape("g", [2**31, 2**29])), {}, "truncated"),
+    ("huge-weights", edited(DOWN, _shape("w", [2**32 - 1])), {}, "truncated"),
+    ("huge-state", edited(DOWN, _shape("ss", [2**32 - 1])), {}, "truncated"),
+    ("huge-weights-nbytes", edited(DOWN, _entry("w", 3, 2**63)), {}, "length_mismatch"),
     ("ndim", edited(UP, _entry("g", 2, [50])), {}, "shape"),
+    ("ndim-weights", edited(DOWN, _entry("w", 2, [2, 5])), {}, "shape"),
+    ("ndim-state", edited(DOWN, _entry("ss", 2, [3, 1])), {}, "shape"),
+    ("ndim-weights-scalar", edited(DOWN, _entry("w", 2, [])), {}, "shape"),
     ("rows-vs-seeds", edited(UP_EXPLICIT, _entry("g", 2, [8, 1])), {}, "shape"),
     ("both-seeds", edited(UP_EXPLICIT, _set("b", 5)), {}, "shape"),
     ("no-seeds", edited(UP, _set("b", None)), {}, "shape"),
-    ("weights-in-log-mode", edited(DOWN_WEIGHTS, _set("o", "log")), {}, "shape"),
-    ("weights-missing", edited(DOWN, _set("o", "weights")), {}, "shape"),
-    ("log-rows", edited(DOWN, _entry("lc", 2, [3, 4])), {}, "shape"),
     ("nan-grads", set_value(UP, "g", 17, float("nan")), {}, "non_finite"),
-    ("inf-personalization", set_value(UP, "p", 0, float("inf")), {}, "non_finite"),
+    ("inf-dense", set_value(UP_DENSE, "d", 0, float("inf")), {}, "non_finite"),
     ("nan-dense", set_value(UP_DENSE, "d", 4, float("nan")), {}, "non_finite"),
-    ("nan-log-coeffs", set_value(DOWN, "lc", 11, float("nan")), {}, "non_finite"),
-    ("inf-weights", set_value(DOWN_WEIGHTS, "w", 3, float("-inf")), {}, "non_finite"),
+    ("nan-state", set_value(DOWN, "ss", 2, float("nan")), {}, "non_finite"),
+    ("inf-state", set_value(DOWN, "ss", 0, float("inf")), {}, "non_finite"),
+    ("inf-weights", set_value(DOWN, "w", 3, float("-inf")), {}, "non_finite"),
+    ("nan-weights-last", set_value(DOWN, "w", 9, float("nan")), {}, "non_finite"),
     ("nan-metric", edited(UP, _set("m", {"loss": float("nan")})), {}, "non_finite"),
     ("huge-metric", header_text(UP, "0.6931471805599453", "1e400"), {}, "non_finite"),
     ("huge-int-metric", edited(UP, _set("m", {"loss": 10**400})), {}, "non_finite"),
     ("inf-config", edited(DOWN, _set("k", {"lr": float("inf")})), {}, "non_finite"),
+    ("huge-config", header_text(DOWN, "0.0001", "1e400"), {}, "non_finite"),
     ("wrong-round", UP, {"expect_round": 4}, "wrong_round"),
     ("wrong-round-down", DOWN, {"expect_round": 2}, "wrong_round"),
     ("wrong-client", UP, {"expect_round": 3, "expect_client": 8}, "wrong_client"),
@@ -290,13 +487,39 @@ def test_malformed_bytes_raise_message_error(data, kwargs, reason):
     assert str(info.value)
 
 
-def test_repack_without_edit_is_identity():
-    # the helper itself must not change a valid message, or the cases above would test two things at once
-    for data in (UP, UP_EXPLICIT, DOWN, DOWN_WEIGHTS):
+def test_malformed_case_ids_are_unique():
+    names = [c[0] for c in MALFORMED]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+@pytest.mark.parametrize("data", [v1_uplink(), v1_downlink("log"), repack(DOWN, version=1)], ids=["up", "log", "down"])
+def test_version_1_is_refused_naming_both_versions(data):
+    with pytest.raises(MessageError) as info:
+        decode(data)
+    assert info.value.reason == "version"
+    assert "version 1 " in str(info.value) and f"speaks {PROTOCOL_VERSION}" in str(info.value), str(info.value)
+
+
+def test_helpers_without_edit_are_identity():
+    # the helpers themselves must not change a valid message, or the cases above would test two things at once
+    for data in (UP, UP_EXPLICIT, UP_DENSE, DOWN, DOWN_BARE):
         assert_same(decode(repack(data)), decode(data))
+    # inserting or removing a legal array by hand gives exactly what encode() writes
+    assert insert_array(UP, 2, "d", "<f4", np.ones(5, np.float32)) == UP_DENSE
+    assert remove_array(UP_DENSE, "d") == UP
+    state, weights = decode(DOWN).server_state, decode(DOWN).weights
+    assert insert_array(remove_array(DOWN, "w"), 1, "w", "<f4", weights) == DOWN
+    assert insert_array(remove_array(DOWN, "ss"), 0, "ss", "<f4", state) == DOWN
+    # the hand-built v1 messages differ from v2 only in what v2 removed: undoing that gives a valid v2 message
+    assert remove_array(v1_uplink(version=2), "p") == UP
+    undone = v1_downlink("weights", version=2)
+    for key in ("s", "ls", "lc"):
+        undone = remove_array(undone, key)
+    assert repack(undone, lambda h: h.pop("o")) == repack(DOWN)
+    assert_same(decode(repack(undone, lambda h: h.pop("o"))), downlink())
 
 
-@pytest.mark.parametrize("data", [UP, DOWN_WEIGHTS], ids=["uplink", "downlink"])
+@pytest.mark.parametrize("data", [UP, DOWN], ids=["uplink", "downlink"])
 def test_random_mutations_only_raise_message_error(data):
     rng = np.random.default_rng(0)
     outcomes = {"ok": 0, "error": 0}
