@@ -63,7 +63,7 @@ class ServerRole:
     def downlink(self, local: LocalTraining, client_id: int) -> bytes:
         """The encoded message that starts `client_id`'s round: weights, the round plan, the method's state."""
         state = self.method.server_state(self, local, client_id)
-        self._sent[client_id] = np.zeros(0, np.float32) if state is None else state.astype(np.float32)
+        self._sent[client_id] = np.zeros(0, np.float32) if state is None else np.asarray(state, np.float32)
         return encode(broadcast(local.round_id, self.tensors, local.to_config(), self._sent[client_id]))
 
     def receive(self, inbox: RoundInbox, local: LocalTraining, client_id: int, data: bytes) -> None:
@@ -83,7 +83,7 @@ class ServerRole:
         if inbox.accepted:
             contributions = [self.contribution(u, local) for u in inbox.accepted]
             delta, self.agg_state = self.aggregator.update(self.tensors, contributions, self.agg_state)
-            extras = self.method.observe(self, local, inbox.accepted, self._sent)
+            extras = self.method.observe(self, local, inbox.accepted, self._sent, delta)
             self.opt_state = self.optimizer.apply(self.tensors, self.opt_state, delta, **extras)
         self._sent.clear()
 

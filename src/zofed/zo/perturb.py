@@ -1,8 +1,9 @@
 """Perturbation distributions over a list of trainable tensors, applied in place chunk by chunk.
 
-A perturbation of tensor i for seed s is `u_i = scale_i * mask_i * (z_i(s) + w * m_i / rms_i)`:
+A perturbation of tensor i for seed s is `u_i = scale_i * p_i * mask_i * (z_i(s) + w * m_i / rms_i)`:
   - `z_i(s)` is seeded noise (see noise.py), regenerated, never stored;
-  - `scale_i` is a per-block multiplier (personalized sampling shapes the distribution through it);
+  - `scale_i` is a per-tensor multiplier (personalized sampling shapes the distribution through it);
+  - `p_i` optionally preconditions every coordinate (HiSo's global second moment);
   - `mask_i` optionally restricts the perturbation to some coordinates (sparse perturbation);
   - `m_i` is an optional momentum buffer that tilts the direction (ZO-AdaMU-style shaping).
 Everything in it is either a seed or small explicit state, so whoever holds the same state can rebuild
@@ -27,6 +28,7 @@ class Perturbation:
     momentum: Sequence[torch.Tensor] | None = None  # flat buffers that tilt the direction
     momentum_weight: float = 0.0
     momentum_rms: Sequence[float] | None = None  # normalizes each momentum buffer to unit RMS
+    precondition: Sequence[torch.Tensor] | None = None  # flat per-coordinate multipliers per tensor
 
     def pool_key(self) -> tuple | None:
         """Terms under perturbations with equal keys may be added in one pass (their shared seeds then merge);
@@ -34,7 +36,8 @@ class Perturbation:
         compared by identity: they are shared objects, too large to compare."""
         if self.scales is not None or self.momentum is not None:
             return None
-        return (self.kind, None if self.masks is None else id(self.masks))
+        return (self.kind, None if self.masks is None else id(self.masks),
+                None if self.precondition is None else id(self.precondition))
 
     def scale(self, i: int) -> float:
         return 1.0 if self.scales is None else float(self.scales[i])
@@ -55,6 +58,8 @@ class Perturbation:
             rms = self.momentum_rms[i] if self.momentum_rms is not None else 1.0
             if rms > 0:
                 u.add_(self.momentum[i][start:end], alpha=c * self.momentum_weight / rms)
+        if self.precondition is not None:
+            u.mul_(self.precondition[i][start:end])
         mask = self.mask(i)
         if mask is not None:
             u.mul_(mask[start:end])

@@ -6,6 +6,8 @@
 |          | the client's own distribution           |                               |                            |
 | zo-seeds | private, from (run seed, round, client) | base seed + one scalar a step | clients x steps directions |
 | decomfl  | shared by every client of the round     | base seed + one scalar a step | steps directions (merged)  |
+| hiso     | shared; along z / sqrt(K), K the global | base seed + one scalar a step | steps directions (merged)  |
+|          | second moment (sent down each round)    |                               |                            |
 | fedkseed | drawn from a fixed pool of K seeds      | seeds + one scalar a step     | at most K directions       |
 | fedmezo  | private                                 | the dense update              | none (a weighted sum)      |
 | fedavg   | none: back-propagation                  | the dense update              | none                       |
@@ -22,6 +24,7 @@ from zofed.fl.methods.decomfl import DeComFL
 from zofed.fl.methods.fedkseed import FedKSeed, kseed_pool
 from zofed.fl.methods.fedmezo import FedMeZO
 from zofed.fl.methods.first_order import FedAdam, FedAvg
+from zofed.fl.methods.hiso import HiSo
 from zofed.fl.methods.zo_seeds import ZOSeeds
 from zofed.fl.methods.zofed import Zofed
 
@@ -50,5 +53,5 @@ def method_names(*, first_order: bool | None = None) -> tuple[str, ...]:
     return tuple(n for n, m in _REGISTRY.items() if first_order is None or m.first_order == first_order)
 
 
-for _method in (Zofed(), ZOSeeds(), DeComFL(), FedKSeed(), FedMeZO(), FedAvg(), FedAdam()):
+for _method in (Zofed(), ZOSeeds(), DeComFL(), HiSo(), FedKSeed(), FedMeZO(), FedAvg(), FedAdam()):
     register_method(_method)

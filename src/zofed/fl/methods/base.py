@@ -131,8 +131,9 @@ class Method:
         return groups
 
     def observe(self, server: ServerRole, local: LocalTraining, accepted: Sequence[ClientUpdate],
-                sent: dict[int, np.ndarray]) -> dict[str, Any]:
-        """What the server learns from a round's accepted uplinks; returns extras for the server optimizer."""
+                sent: dict[int, np.ndarray], delta: Sequence[torch.Tensor]) -> dict[str, Any]:
+        """What the server learns from a round's accepted uplinks (`sent`: the server state each client was sent,
+        `delta`: the aggregated update); returns extras for the server optimizer."""
         return {}
 
     def init_state(self, server: ServerRole) -> Any:

@@ -110,7 +110,7 @@ class Zofed(Method):
         return np.concatenate([pi, torch.cat(server.opt_state.buffers["m"]).numpy().astype(np.float32)])
 
     def observe(self, server: ServerRole, local: LocalTraining, accepted: Sequence[ClientUpdate],
-                sent: dict[int, np.ndarray]) -> dict[str, Any]:
+                sent: dict[int, np.ndarray], delta: Sequence[torch.Tensor]) -> dict[str, Any]:
         """Files each step's probe under its client and block; with a warm-started server optimizer, returns
         each tensor's expected mean square of this round's update."""
         state: BlockState = server.method_state
