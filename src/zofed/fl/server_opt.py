@@ -200,23 +200,40 @@ def _adaptive(rule: str) -> Callable[..., tuple[Piece, ...]]:
     return build
 
 
-# name -> builder of its chain; the config's choices come from here
-SERVER_OPTIMIZERS: dict[str, Callable[..., tuple[Piece, ...]]] = {
-    "sgd": _sgd, "adam": _adaptive("adam"), "yogi": _adaptive("yogi"), "amsgrad": _adaptive("amsgrad")}
+@dataclass(frozen=True)
+class Kind:
+    """A registered server optimizer: how to build its chain, and the lr it takes when none is given."""
+
+    build: Callable[..., tuple[Piece, ...]]
+    default_lr: float
+    adaptive: bool  # has moments (relative steps, warm starts and granularity apply)
 
 
-def make_server_optimizer(name: str = "sgd", lr: float = 1.0, *, decay_rounds: int = 0, relative: bool = False,
-                          warm_start: bool = False, **moments: Any) -> ServerOptimizer:
-    """Build a server optimizer by name; settings that do not go together raise a ValueError saying why."""
+# Adaptive server steps move each coordinate by about lr a round. 3e-3 matches what the same forward passes
+# move a coordinate in centralized MeZO at lr 3e-4 (|g| ~ 3.5, sqrt(12 steps) ~ 3.5): see docs/method.md.
+# A method's own default (zofed: relative 1e-2 of a tensor's RMS) is in its `server_default`.
+SERVER_OPTIMIZERS: dict[str, Kind] = {
+    "sgd": Kind(_sgd, 1.0, adaptive=False),
+    "adam": Kind(_adaptive("adam"), 3e-3, adaptive=True),
+    "yogi": Kind(_adaptive("yogi"), 3e-3, adaptive=True),
+    "amsgrad": Kind(_adaptive("amsgrad"), 3e-3, adaptive=True),
+}
+
+
+def make_server_optimizer(name: str = "sgd", lr: float | None = None, *, decay_rounds: int = 0,
+                          relative: bool = False, warm_start: bool = False, **moments: Any) -> ServerOptimizer:
+    """Build a registered server optimizer by name (lr None: its default); settings that do not go together
+    raise a ValueError saying why."""
     if name not in SERVER_OPTIMIZERS:
         raise ValueError(f"unknown server optimizer {name!r}; choose one of {', '.join(SERVER_OPTIMIZERS)}")
+    kind = SERVER_OPTIMIZERS[name]
     if decay_rounds < 0:
         raise ValueError(f"decay_rounds must be 0 (constant lr) or a number of rounds, not {decay_rounds}")
-    if name == "sgd":
+    lr = kind.default_lr if lr is None else lr
+    if not kind.adaptive:
         if relative:
-            raise ValueError("relative steps need an adaptive server optimizer (adam, yogi or amsgrad), not sgd")
+            raise ValueError(f"relative steps need an adaptive server optimizer (adam, yogi or amsgrad), not {name}")
         if warm_start:
             raise ValueError("a warm start needs a tensor-wise adaptive server optimizer (adam, yogi or amsgrad)")
-        return ServerOptimizer(name, _sgd(lr, decay_rounds))
-    return ServerOptimizer(name, SERVER_OPTIMIZERS[name](lr, decay_rounds, relative=relative, warm_start=warm_start,
-                                                         **moments))
+        return ServerOptimizer(name, kind.build(lr, decay_rounds))
+    return ServerOptimizer(name, kind.build(lr, decay_rounds, relative=relative, warm_start=warm_start, **moments))

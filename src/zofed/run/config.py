@@ -18,7 +18,7 @@ from zofed.data.partition import PartitionConfig
 from zofed.data.tasks import TaskConfig
 from zofed.fl.aggregate import AGGREGATORS
 from zofed.fl.methods import get_method
-from zofed.fl.server_opt import ServerOptimizer, make_server_optimizer
+from zofed.fl.server_opt import SERVER_OPTIMIZERS, ServerOptimizer, make_server_optimizer
 from zofed.models.selection import TrainableConfig
 from zofed.zo.noise import NoiseKind
 from zofed.zo.optim import OPTIMIZER_NAMES
@@ -112,7 +112,7 @@ class ServerOptimizerSection(_Section):
     """Unset fields take the method's default (its `server_default` in fl/methods/): zofed uses tensor-wise adam
     with relative steps."""
 
-    name: Literal["sgd", "adam", "yogi", "amsgrad"] | None = None
+    name: str | None = None  # a registered server optimizer (fl/server_opt.py): sgd, adam, yogi, amsgrad
     lr: float | None = Field(None, gt=0)
     granularity: Literal["coordinate", "tensor"] | None = None
     beta1: float = Field(0.9, ge=0, lt=1)
@@ -130,25 +130,26 @@ class ServerOptimizerSection(_Section):
         # An lr only has a meaning for the step it was set for: sgd's 1.0 is not an adam step, nor is a relative
         # step an absolute one.
         same_step = name == default.name and relative == default.relative
-        lr = self.lr if self.lr is not None else (default.lr if same_step else SERVER_LR[name])
+        lr = self.lr if self.lr is not None else (default.lr if same_step else SERVER_OPTIMIZERS[name].default_lr)
         settings = {"name": name, "lr": lr, "decay_rounds": rounds if self.decay == "cosine" else 0,
                     "relative": relative, "warm_start": self.warm_start}
-        if name != "sgd":
+        if SERVER_OPTIMIZERS[name].adaptive:
             settings.update(granularity=self.granularity or default.granularity, beta1=self.beta1, beta2=self.beta2,
                             tau=self.tau)
         return settings
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, name: str | None) -> str | None:
+        if name is not None and name not in SERVER_OPTIMIZERS:
+            raise ValueError(f"unknown server optimizer {name!r}; choose one of {', '.join(SERVER_OPTIMIZERS)}")
+        return name
 
     def build(self, method: str, rounds: int) -> ServerOptimizer:
         try:
             return make_server_optimizer(**self.resolved(method, rounds))
         except ValueError as err:  # settings that are each valid but do not go together
             raise ConfigError(f"federation.server_optimizer: {err}") from None
-
-
-# Adaptive server steps move each coordinate by about lr a round. 3e-3 matches what the same forward passes
-# move a coordinate in centralized MeZO at lr 3e-4 (|g| ~ 3.5, sqrt(12 steps) ~ 3.5): see docs/method.md.
-# A method's own default (zofed: relative 1e-2 of a tensor's RMS) is in its `server_default`.
-SERVER_LR = {"sgd": 1.0, "adam": 3e-3, "yogi": 3e-3, "amsgrad": 3e-3}
 
 
 class SamplingSection(_Section):
