@@ -5,10 +5,19 @@ import math
 import pytest
 import torch
 
-from zofed.zo.noise import CHUNK, NoiseSource, derive_seed, noise_like
+from zofed.zo.noise import CHUNK, NoiseSource, chunk_bounds, derive_seed
 from zofed.zo.optim import OPTIMIZER_NAMES, OptState, learning_rate, magnitude_masks, make_optimizer
 from zofed.zo.perturb import Perturbation, add_directions_
 from zofed.zo.step import NonFiniteLossError, replay_steps, zo_step
+
+
+def noise_like(tensor: torch.Tensor, seed: int, tensor_index: int, kind: str) -> torch.Tensor:
+    """The whole perturbation of one tensor as a dense tensor, chunk by chunk as the engine makes it."""
+    source = NoiseSource(kind)
+    out = torch.empty(tensor.numel(), dtype=torch.float32)
+    for index, start, end in chunk_bounds(tensor.numel()):
+        out[start:end] = source.chunk(seed, tensor_index, index, end - start)
+    return out.view_as(tensor)
 
 
 def _tensors(seed=0):

@@ -95,12 +95,3 @@ def chunk_bounds(numel: int) -> Iterator[tuple[int, int, int]]:
     """(chunk index, start, end) over a flat tensor of `numel` elements."""
     for index, start in enumerate(range(0, numel, CHUNK)):
         yield index, start, min(start + CHUNK, numel)
-
-
-def noise_like(tensor: torch.Tensor, seed: int, tensor_index: int, kind: NoiseKind) -> torch.Tensor:
-    """The whole perturbation of one tensor as a new dense tensor (tests and small tensors only)."""
-    source = NoiseSource(kind)
-    out = torch.empty(tensor.numel(), dtype=torch.float32)
-    for index, start, end in chunk_bounds(tensor.numel()):
-        out[start:end] = source.chunk(seed, tensor_index, index, end - start)
-    return out.view_as(tensor)
