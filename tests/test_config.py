@@ -1,0 +1,68 @@
+"""Config loading: `--set` values that YAML would misread, and the centralized-only keys a federated config refuses."""
+
+import pytest
+
+from zofed.run.config import (
+    CENTRALIZED_ONLY,
+    ConfigError,
+    FederatedConfig,
+    FinetuneConfig,
+    check_resumed_config,
+    dump_config,
+    load_config,
+    parse_overrides,
+)
+
+
+def test_an_override_yaml_cannot_parse_is_its_plain_text():
+    cfg = load_config(None, ["task.template=Question: {text} Answer:"])  # a yaml ParserError before
+    assert cfg.task.template == "Question: {text} Answer:"
+    assert parse_overrides(["train.steps=[1"])[0] == ("train.steps", "[1")  # the schema then refuses the text
+    with pytest.raises(ConfigError, match="train.steps"):
+        load_config(None, ["train.steps=[1"])
+
+
+@pytest.mark.parametrize("schema", [FinetuneConfig, FederatedConfig])
+def test_a_text_field_keeps_the_text_yaml_would_read_as_a_mapping_a_comment_or_a_bool(schema):
+    cfg = load_config(None, ["task.template=Review: {text}\nSentiment:", "model.name=yes",
+                             "out_dir=runs/a #1"], schema=schema)
+    assert cfg.task.template == "Review: {text}\nSentiment:"  # YAML: {'Review': {'text': None}, 'Sentiment': None}
+    assert (cfg.model.name, cfg.out_dir) == ("yes", "runs/a #1")
+
+
+def test_quoted_text_nulls_and_non_text_values_still_parse_as_yaml():
+    cfg = load_config(None, ["task.template='review : {text} .'", 'data.format="jsonl"', "data.test_source=null",
+                             "task.verbalizer=[' no', ' yes']", "optimizer.lr=1e-3", "train.steps=7"])
+    assert (cfg.task.template, cfg.data.format, cfg.data.test_source) == ("review : {text} .", "jsonl", None)
+    assert (cfg.task.verbalizer, cfg.optimizer.lr, cfg.train.steps) == ([" no", " yes"], 1e-3, 7)
+    # YAML's double quotes take escapes: another way to put a newline into a template
+    assert load_config(None, ['task.template="Q: {text}\\nA:"']).task.template == "Q: {text}\nA:"
+
+
+def test_a_template_with_a_newline_from_a_yaml_block_scalar(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("task:\n  template: |-\n    Review: {text}\n    Sentiment:\n")
+    assert load_config(path).task.template == "Review: {text}\nSentiment:"
+
+
+@pytest.mark.parametrize(("override", "instead"), [
+    ("optimizer.schedule=cosine", "constant optimizer.lr"), ("optimizer.warmup=5", "constant optimizer.lr"),
+    ("train.steps=50", "federation.rounds"), ("train.eval_every=2", "federation.eval_every"),
+    ("train.checkpoint_every=1", "checkpoints after every round")])
+def test_a_federated_config_refuses_the_centralized_only_keys_it_would_ignore(override, instead):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{key} is a centralized setting.*{instead}"):
+        load_config(None, [override], schema=FederatedConfig)
+    assert load_config(None, [override])  # a centralized run uses it
+    assert set(CENTRALIZED_ONLY) == {"optimizer.schedule", "optimizer.warmup", "train.steps", "train.eval_every",
+                                     "train.checkpoint_every"}
+
+
+def test_a_dumped_federated_config_loads_again_and_resumes(tmp_path):
+    cfg = load_config(None, ["federation.rounds=3", "train.batch_size=4", f"out_dir={tmp_path}"],
+                      schema=FederatedConfig)
+    dump_config(cfg, tmp_path / "config.yaml")  # it holds train.steps etc. at their defaults
+    assert load_config(tmp_path / "config.yaml", schema=FederatedConfig) == cfg
+    check_resumed_config(cfg, tmp_path / "config.yaml")
+    # a default value set explicitly is no different from a dumped one
+    assert load_config(None, ["train.steps=200"], schema=FederatedConfig).train.steps == 200
