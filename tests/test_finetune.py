@@ -19,13 +19,13 @@ from zofed.zo.optim import make_optimizer
 from zofed.zo.step import zo_step
 
 
-def _config(ws, out, **train):
+def _config(ws, out, *extra, **train):
     overrides = [f"model.name={ws / 'model'}", f"data.source={ws / 'train.jsonl'}",
                  f"data.test_source={ws / 'test.jsonl'}", "data.eval_examples=40",
                  "task.template='review : {text} . sentiment :'", "task.verbalizer=[negative, positive]",
                  "trainable.mode=all", "optimizer.name=zo-adam", "optimizer.lr=0.01", "zo.eps=0.01",
                  "train.batch_size=8", "train.eval_every=5", "train.checkpoint_every=5", f"out_dir={out}"]
-    overrides += [f"train.{k}={v}" for k, v in train.items()]
+    overrides += [*extra, *(f"train.{k}={v}" for k, v in train.items())]
     return load_config(None, overrides)
 
 
@@ -81,6 +81,52 @@ def test_existing_run_is_not_overwritten_without_resume(tiny_workspace, tmp_path
     with pytest.raises(ConfigError, match=r"train.seed \(0 -> 7\)"):
         finetune(_config(tiny_workspace, tmp_path / "run", steps=5, seed=7), resume=True,
                  show_progress=False)
+
+
+def _tree(path):
+    return {p.relative_to(path): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_a_decaying_schedule_cannot_resume_with_other_steps_but_a_constant_one_can(tiny_workspace, tmp_path):
+    """linear and cosine span train.steps: more steps would put the steps left on another curve than the steps
+    taken. A constant lr (with or without warm-up) does not depend on train.steps."""
+    finetune(_config(tiny_workspace, tmp_path / "constant", "optimizer.warmup=2", steps=2), show_progress=False)
+    finetune(_config(tiny_workspace, tmp_path / "constant", "optimizer.warmup=2", steps=4), resume=True,
+             show_progress=False)
+    assert json.loads((tmp_path / "constant" / "results.json").read_text())["steps"] == 4
+    cosine = tmp_path / "cosine"
+    finetune(_config(tiny_workspace, cosine, "optimizer.schedule=cosine", steps=2), show_progress=False)
+    before = _tree(cosine)
+    with pytest.raises(ConfigError, match=r"train.steps=4.*optimizer.schedule=cosine spans its train.steps=2"):
+        finetune(_config(tiny_workspace, cosine, "optimizer.schedule=cosine", steps=4), resume=True,
+                 show_progress=False)
+    assert _tree(cosine) == before  # refused before anything was written
+    finetune(_config(tiny_workspace, cosine, "optimizer.schedule=cosine", steps=2), resume=True,
+             show_progress=False)  # the same steps: nothing left to do, but a valid resume
+
+
+def test_a_fresh_run_starts_its_metrics_over(tiny_workspace, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "event": "train", "loss": 9.9, "stale": True}) + "\n")
+    finetune(_config(tiny_workspace, out, steps=2), show_progress=False)  # no checkpoint: a crashed earlier sitting
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert not any("stale" in r for r in records)
+    assert [(r["step"], r["event"]) for r in records] == [(0, "eval"), (1, "train"), (2, "train"), (2, "eval")]
+
+
+def test_a_centralized_run_of_a_federated_config_writes_a_centralized_run_dir(tiny_workspace, tmp_path):
+    """The benchmarks' centralized reference: a federated config with train.steps set in place (no validation)."""
+    from toy_federation import tiny_federated_config
+
+    out = tmp_path / "reference"
+    config = tiny_federated_config(tiny_workspace, out)
+    config = config.model_copy(update={"train": config.train.model_copy(update={
+        "steps": 2, "eval_every": 2, "checkpoint_every": 2})})
+    finetune(config, show_progress=False)
+    assert "federation" not in (out / "config.yaml").read_text()
+    assert load_run(out).config.train.steps == 2
+    finetune(config, resume=True, show_progress=False)
 
 
 def test_config_errors_name_the_key(tmp_path):

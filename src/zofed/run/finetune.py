@@ -15,7 +15,7 @@ import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from zofed.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, write_atomic_text
-from zofed.run.config import ConfigError, FinetuneConfig, check_resumed_config, dump_config
+from zofed.run.config import ConfigError, FederatedConfig, FinetuneConfig, check_resumed_config, dump_config
 from zofed.run.metrics import MetricsLog
 from zofed.run.setup import Setup, build, eval_indices, save_final
 from zofed.zo.noise import derive_seed
@@ -37,6 +37,10 @@ def _checkpoint(out: Path, setup: Setup, opt_state: OptState, step: int) -> None
 def finetune(config: FinetuneConfig, *, resume: bool = False, show_progress: bool = True,
              setup: Setup | None = None) -> dict[str, Any]:
     """Run ZO fine-tuning as configured; returns the final results (also written to results.json)."""
+    if isinstance(config, FederatedConfig):
+        # A centralized run of a federated config (the benchmarks' centralized reference) is a centralized run: its
+        # config.yaml must load as one (a federated config refuses train.steps), and resume as one.
+        config = FinetuneConfig.model_validate(config.model_dump(exclude={"federation", "flower"}))
     out = Path(config.out_dir)
     existing = find_checkpoint(out / "checkpoint")
     if existing is not None:
@@ -56,7 +60,7 @@ def finetune(config: FinetuneConfig, *, resume: bool = False, show_progress: boo
         setup.trainable.load_state_dict(saved["trainable"])
         opt_state = OptState.from_tensors(saved["optimizer"])
         start = int(meta["step"])
-        metrics.truncate_after(start)
+    metrics.truncate_after(start if existing is not None else -1)  # without a checkpoint all records start over
     perturbation = Perturbation(kind=config.zo.noise, masks=setup.trainable.masks)
     watch = eval_indices(config, setup.test)
     steps, every = config.train.steps, config.train.eval_every
