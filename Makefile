@@ -16,7 +16,7 @@ demo: setup
 
 # Centralized ZO fine-tuning of the same model on the same data.
 demo-centralized: setup
-	$(VENV)/bin/zofed finetune --config configs/demo.yaml --out runs/demo-centralized-$$(date +%Y%m%d-%H%M%S) $(ARGS)
+	$(VENV)/bin/zofed finetune configs/demo.yaml --out runs/demo-centralized-$$(date +%Y%m%d-%H%M%S) $(ARGS)
 
 test: setup
 	$(VENV)/bin/ruff check src tests benchmarks

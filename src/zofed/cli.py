@@ -47,24 +47,48 @@ def _user_errors() -> tuple[type[Exception], ...]:
     return (ConfigError, DataError, ModelLoadError, PartitionError)
 
 
+# finetune and run share one shape: an optional positional CONFIG, --set overrides, then shortcut options that
+# win over both (they are the more specific).
+ConfigArg = Annotated[Path | None, typer.Argument(help="YAML config file; without one the defaults and options make "
+                                                       "the run", show_default=False)]
+SetOption = Annotated[list[str] | None, typer.Option("--set", "-s", help="override, repeatable, e.g. optimizer.lr=1e-4 "
+                                                                         "or 'task.template=Q: {text} A:'")]
+ModelOption = Annotated[str | None, typer.Option(help="model.name: smollm2-135m, minilm-l6, hub id or path")]
+DataOption = Annotated[str | None, typer.Option(help="data.source: tweets, a file path, or hub:NAME")]
+OutOption = Annotated[str | None, typer.Option(help="out_dir: the run directory")]
+ResumeOption = Annotated[bool, typer.Option(help="continue the run in --out (out_dir) from its checkpoint")]
+
+
+def _overrides(set_: list[str] | None, shortcuts: dict[str, object | None]) -> list[str]:
+    return list(set_ or []) + [f"{key}={value}" for key, value in shortcuts.items() if value is not None]
+
+
 @app.command()
 def finetune(
-    config: Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file")] = None,
-    set_: Annotated[list[str] | None, typer.Option("--set", "-s", help="override, e.g. optimizer.lr=1e-4")] = None,
-    model: Annotated[str | None, typer.Option(help="model name: smollm2-135m, minilm-l6, hub id or path")] = None,
-    data: Annotated[str | None, typer.Option(help="dataset: tweets, a file path, or hub:NAME")] = None,
-    steps: Annotated[int | None, typer.Option(help="number of ZO steps")] = None,
-    out: Annotated[str | None, typer.Option(help="run directory")] = None,
-    resume: Annotated[bool, typer.Option(help="continue the run in --out from its checkpoint")] = False,
+    config: ConfigArg = None,
+    set_: SetOption = None,
+    model: ModelOption = None,
+    data: DataOption = None,
+    steps: Annotated[int | None, typer.Option(help="train.steps: number of ZO steps")] = None,
+    out: OutOption = None,
+    resume: ResumeOption = False,
+    config_option: Annotated[Path | None, typer.Option("--config", "-c", hidden=True,
+                                                       help="deprecated: pass CONFIG as the argument")] = None,
 ) -> None:
-    """Centralized ZO fine-tuning (forward passes only) with periodic evaluation and checkpoints."""
+    """Centralized ZO fine-tuning (forward passes only) with periodic evaluation and checkpoints.
+
+    CONFIG is a YAML config file (optional); --set overrides it and the other options override both.
+    """
     from zofed.run.config import load_config
     from zofed.run.finetune import finetune as run_finetune
 
-    overrides = list(set_ or [])
-    for key, value in (("model.name", model), ("data.source", data), ("train.steps", steps), ("out_dir", out)):
-        if value is not None:
-            overrides.append(f"{key}={value}")
+    if config_option is not None:
+        if config is not None:
+            _fail("give the config file once, as CONFIG (--config is a deprecated alias of it)")
+        console.print("[yellow]warning:[/] --config is deprecated: pass the config file as the argument, "
+                      "zofed finetune CONFIG")
+        config = config_option
+    overrides = _overrides(set_, {"model.name": model, "data.source": data, "train.steps": steps, "out_dir": out})
     try:
         cfg = load_config(config, overrides)
         console.print(f"[bold]zofed finetune[/] model={cfg.model.name} data={cfg.data.source} "
@@ -78,18 +102,25 @@ def finetune(
 
 @app.command()
 def run(
-    config: Annotated[Path | None, typer.Argument(help="YAML config of the federated run")] = None,
-    set_: Annotated[list[str] | None, typer.Option("--set", "-s", help="override, e.g. federation.rounds=5")] = None,
-    out: Annotated[str | None, typer.Option(help="run directory")] = None,
-    resume: Annotated[bool, typer.Option(help="continue the run in --out from its checkpoint")] = False,
+    config: ConfigArg = None,
+    set_: SetOption = None,
+    model: ModelOption = None,
+    data: DataOption = None,
+    rounds: Annotated[int | None, typer.Option(help="federation.rounds: number of federated rounds")] = None,
+    out: OutOption = None,
+    resume: ResumeOption = False,
     backend: Annotated[Backend, typer.Option(help="inprocess: one process; flower: Flower's simulation engine "
                                                   "(needs the flower extra, docs/flower.md)")] = Backend.inprocess,
 ) -> None:
-    """Federated ZO fine-tuning (seeds and scalars up, weights down) on the in-process engine or on Flower."""
+    """Federated ZO fine-tuning (seeds and scalars up, weights down) on the in-process engine or on Flower.
+
+    CONFIG is a YAML config file (optional); --set overrides it and the other options override both.
+    """
     from zofed.run.config import FederatedConfig, load_config
     from zofed.run.federated import run_federated
 
-    overrides = list(set_ or []) + ([f"out_dir={out}"] if out is not None else [])
+    overrides = _overrides(set_, {"model.name": model, "data.source": data, "federation.rounds": rounds,
+                                  "out_dir": out})
     try:
         cfg = load_config(config, overrides, schema=FederatedConfig)
         fed = cfg.federation
@@ -188,7 +219,7 @@ def _print_results(results: dict, out: Path) -> None:
 
 @app.command("eval")
 def evaluate(
-    run_dir: Annotated[Path, typer.Argument(help="a run directory written by zofed finetune")],
+    run_dir: Annotated[Path, typer.Argument(help="a run directory written by zofed finetune or zofed run")],
     examples: Annotated[int | None, typer.Option(help="evaluate only the first N test examples")] = None,
 ) -> None:
     """Evaluate a fine-tuned run's weights on its test split."""

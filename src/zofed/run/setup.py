@@ -88,13 +88,22 @@ def save_final(setup: Setup, out: Path) -> None:
 
 
 def load_run(run_dir: str | Path) -> Setup:
-    """Rebuild a finished (or checkpointed) run's model with its trained tensors loaded."""
-    from zofed.run.config import load_config
+    """Rebuild a finished (or checkpointed) run's model with its trained tensors loaded: a centralized run's
+    (zofed finetune) or a federated one's (zofed run, whose config.yaml has a federation section)."""
+    import yaml
+
+    from zofed.run.config import FederatedConfig, load_config
 
     run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file():
+    path = run_dir / "config.yaml"
+    if not path.is_file():
         raise ConfigError(f"{run_dir} is not a zofed run directory (no config.yaml)")
-    config = load_config(run_dir / "config.yaml")
+    try:
+        tree = yaml.safe_load(path.read_text())
+    except yaml.YAMLError:
+        tree = None  # load_config reports what is wrong with it
+    federated = isinstance(tree, dict) and "federation" in tree
+    config = load_config(path, schema=FederatedConfig if federated else FinetuneConfig)
     setup = build(config)
     final = run_dir / "final" / "trainable.safetensors"
     if final.is_file():
