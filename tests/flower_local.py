@@ -141,10 +141,11 @@ def _stop_pid(pid: int) -> None:
         pass  # ended between the check and the signal
 
 
-def run_insecure(app: Path, root: Path, num_supernodes: int, timeout: float = 600) -> dict:
-    """Start a SuperLink and `num_supernodes` SuperNodes without TLS, `flwr run` the app, stop everything.
-    Returns the run's return code and output, the seconds from the SuperLink's start to the run's end, and any
-    process that could not be stopped."""
+def run_insecure(app: Path, root: Path, num_supernodes: int, timeout: float = 600,
+                 run_config: str | None = None) -> dict:
+    """Start a SuperLink and `num_supernodes` SuperNodes without TLS, `flwr run` the app (with `--run-config
+    run_config` when given), stop everything. Returns the run's return code and output, the seconds from the
+    SuperLink's start to the run's end, and any process that could not be stopped."""
     deployment = LocalDeployment(root)
     port = free_port()
     t0 = time.perf_counter()
@@ -154,7 +155,8 @@ def run_insecure(app: Path, root: Path, num_supernodes: int, timeout: float = 60
             deployment.supernode(f"supernode{i}", f"127.0.0.1:{port}", i, num_supernodes, "--insecure")
         deployment.wait_healthy(port)
         deployment.connection("zofed-local", f"127.0.0.1:{port}")
-        run = deployment.flwr("run", str(app), "zofed-local", "--stream", timeout=timeout)
+        overrides = ["--run-config", run_config] if run_config else []
+        run = deployment.flwr("run", str(app), "zofed-local", "--stream", *overrides, timeout=timeout)
         seconds = time.perf_counter() - t0
     finally:
         survivors = deployment.stop_all()

@@ -3,6 +3,7 @@ directory, failures counted per round, and a clear error when too few clients an
 
 import json
 import sys
+import time
 
 import pytest
 import torch
@@ -18,11 +19,17 @@ from toy_federation import tiny_federated_config  # noqa: E402
 from zofed.cli import app as cli  # noqa: E402
 from zofed.flower.apps import make_client_app  # noqa: E402
 from zofed.flower.client import answer_query, train_client  # noqa: E402
-from zofed.flower.config import config_text, parse_config_text  # noqa: E402
+from zofed.flower.config import (  # noqa: E402
+    RUN_CONFIG_KEYS,
+    config_text,
+    num_supernodes,
+    parse_config_text,
+    resolve_run_config,
+)
 from zofed.flower.deploy import render_app_pyproject  # noqa: E402
 from zofed.flower.rounds import FederationError  # noqa: E402
 from zofed.flower.simulation import run_flower_simulation  # noqa: E402
-from zofed.run.config import dump_config  # noqa: E402
+from zofed.run.config import ConfigError, dump_config  # noqa: E402
 from zofed.run.federated import run_federated  # noqa: E402
 
 
@@ -98,8 +105,8 @@ def test_client_errors_and_missing_replies_are_counted_per_round(tiny_workspace,
 
 def test_fewer_answers_than_min_clients_stop_the_run(tiny_workspace, tmp_path):
     cfg = _config(tiny_workspace, tmp_path / "short", "flower.min_clients=2")
-    expected = (r"round 1: 1 of 2 sampled clients .* flower.min_clients=2 "
-                r"\(client 1: client_error: .*disk full on this client\)$")
+    expected = (r"round 1: 1 of 2 sampled clients .* fewer than the 2 the round needs "
+                r"\(client 1: client_error: .*disk full on this client\) \(flower.min_clients\)$")
     with pytest.raises(FederationError, match=expected):
         run_flower_simulation(cfg, show_progress=False, client_app=_faulty_client_app(config_text(cfg), 1))
     failed = _rounds(tmp_path / "short", "round_failed")
@@ -131,3 +138,108 @@ def test_the_flower_backend_without_flwr_names_the_extra(tiny_workspace, tmp_pat
     result = CliRunner().invoke(cli, ["run", str(tmp_path / "c.yaml"), "--backend", "flower"])
     assert result.exit_code == 2 and "install zofed[flower]" in " ".join(result.output.split())
     assert not (tmp_path / "none").exists()
+
+
+def _grouped_data(ws, path, groups):
+    """The workspace's training file with a `user` column taking `groups` values, for a natural split."""
+    lines = (ws / "train.jsonl").read_text().splitlines()
+    path.write_text("".join(json.dumps({**json.loads(line), "user": f"u{i % groups}"}) + "\n"
+                            for i, line in enumerate(lines)))
+    return path
+
+
+def test_a_natural_split_simulates_one_supernode_per_group(tiny_workspace, tmp_path):
+    """partition.num_clients says 2, the column has 3 values: 3 clients, so 3 SuperNodes (the ServerApp would
+    wait for the third until flower.node_timeout)."""
+    data = _grouped_data(tiny_workspace, tmp_path / "grouped.jsonl", 3)
+    cfg = _config(tiny_workspace, tmp_path / "natural", f"data.source={data}", "data.test_source=null",
+                  "data.text_columns=[text, user]", "federation.partition.scheme=natural",
+                  "federation.partition.column=user", "federation.rounds=1", "flower.node_timeout=60")
+    assert cfg.federation.partition.num_clients == 2 and num_supernodes(cfg) == 3
+    assert 'This run needs 3 SuperNodes' in render_app_pyproject(cfg)  # what `zofed flower-app` writes
+    results = run_flower_simulation(cfg, show_progress=False)
+    partition = json.loads((tmp_path / "natural" / "partition.json").read_text())
+    assert len(partition["clients"]) == 3
+    (only,) = _rounds(tmp_path / "natural")
+    assert only["accepted"] == 2 and only["rejected"] == [] and results["rounds"] == 1
+
+
+def _app_run_config(cfg):
+    """The run config a deployed app starts with: `[tool.flwr.app.config]` of the app `zofed flower-app` writes,
+    flattened as Flower flattens it."""
+    import tomli
+    from flwr.common.config import flatten_dict
+
+    return flatten_dict(tomli.loads(render_app_pyproject(cfg))["tool"]["flwr"]["app"]["config"])
+
+
+def test_flat_run_config_keys_are_laid_over_the_embedded_config(tiny_workspace, tmp_path):
+    from flwr.common.config import fuse_dicts, parse_config_args
+
+    cfg = _config(tiny_workspace, tmp_path / "x")
+    app_config = _app_run_config(cfg)
+    assert set(RUN_CONFIG_KEYS) <= set(app_config) and app_config["lr"] == cfg.optimizer.lr
+    assert resolve_run_config(app_config) == cfg  # without overrides the flat keys change nothing
+    # `flwr run APP CONNECTION --run-config "..."`, parsed and fused as Flower does.
+    overrides = parse_config_args(["rounds=5 method='zo-seeds' clients-per-round=1 local-steps=3 lr=5e-4 eps=2e-2 "
+                                   f"seed=7 out-dir='{tmp_path / 'y'}'"])
+    resolved = resolve_run_config(fuse_dicts(app_config, overrides))
+    expected = _config(tiny_workspace, tmp_path / "y", "federation.rounds=5", "federation.method=zo-seeds",
+                       "federation.clients_per_round=1", "federation.local_steps=3", "optimizer.lr=5e-4",
+                       "zo.eps=2e-2", "train.seed=7")
+    assert resolved == expected and resolved.federation.partition == cfg.federation.partition
+
+
+@pytest.mark.parametrize(("override", "named"), [
+    ({"lr": -1.0}, r"'lr' \(optimizer.lr\) = -1.0: Input should be greater than 0"),
+    ({"method": "sgd"}, r"'method' \(federation.method\) = 'sgd': "),
+    ({"rounds": 2.5}, r"'rounds' \(federation.rounds\) = 2.5: .*integer"),
+    ({"local-steps": "ten"}, r"'local-steps' \(federation.local_steps\) = 'ten'"),
+    ({"out-dir": 3}, r"'out-dir' \(out_dir\) = 3: Input should be a valid string"),
+    ({"seed": True}, r"'seed' \(train.seed\) = True: not a boolean setting"),
+])
+def test_an_invalid_flat_key_names_itself_and_its_zofed_key(tiny_workspace, tmp_path, override, named):
+    app_config = _app_run_config(_config(tiny_workspace, tmp_path / "x"))
+    with pytest.raises(ConfigError, match=named):
+        resolve_run_config({**app_config, **override})
+
+
+def test_the_server_app_and_every_client_app_resolve_the_same_overlaid_config(tiny_workspace, tmp_path, monkeypatch):
+    """The deployed components (apps.server_app, apps.client_app) both read the flat keys."""
+    from flwr.app import Metadata, RecordDict
+
+    import zofed.flower.client as client_module
+    import zofed.run.federated as federated
+    from zofed.flower.apps import client_app, server_app
+    from zofed.flower.messages import TRAIN, train_content
+
+    run_config = {**_app_run_config(_config(tiny_workspace, tmp_path / "x")), "lr": 5e-4, "seed": 3, "rounds": 4}
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def prepare_run(config, **_):
+        seen["server"] = config
+        raise Stop
+
+    def client_worker(text):
+        seen.setdefault("clients", []).append(parse_config_text(text))
+        raise Stop
+
+    monkeypatch.setattr(federated, "prepare_run", prepare_run)
+    monkeypatch.setattr(client_module, "client_worker", client_worker)
+    with pytest.raises(Stop):
+        server_app(None, Context(1, 0, {}, RecordDict(), run_config))
+    for partition in (0, 1):
+        node_config = {"partition-id": partition, "num-partitions": 2}
+        # A train message as the SuperLink delivers it (metadata given: no Flower run in this process).
+        metadata = Metadata(run_id=1, message_id=f"m{partition}", src_node_id=0, dst_node_id=partition + 1,
+                            reply_to_message_id="", group_id="0", created_at=time.time(), ttl=60.0,
+                            message_type=TRAIN)
+        with pytest.raises(Stop):
+            client_app(Message(train_content(b"", partition, 0), metadata=metadata),
+                       Context(1, partition + 1, node_config, RecordDict(), run_config))
+    assert seen["server"].optimizer.lr == 5e-4 and seen["server"].train.seed == 3
+    assert seen["server"].federation.rounds == 4
+    assert seen["clients"] == [seen["server"]] * 2

@@ -40,14 +40,18 @@ def _rounds(out: Path) -> list[dict]:
 
 
 def test_superlink_and_two_supernodes_run_two_rounds(tiny_workspace, tmp_path):
-    cfg = _config(tiny_workspace, tmp_path / "deployed")  # the default method, zofed
+    # The app is written for 1 round at another lr and out_dir; Flower's --run-config sets them back through the
+    # flat keys, so the run must equal the in-process one below.
+    cfg = _config(tiny_workspace, tmp_path / "elsewhere", "federation.rounds=1", "optimizer.lr=0.05")  # zofed
     app = write_app(cfg, tmp_path / "app").parent
-    run = run_insecure(app, tmp_path / "processes", num_supernodes=2, timeout=RUN_TIMEOUT)
+    run = run_insecure(app, tmp_path / "processes", num_supernodes=2, timeout=RUN_TIMEOUT,
+                       run_config=f"rounds=2 lr=0.02 out-dir='{tmp_path / 'deployed'}'")
     print(f"deployment: {run['seconds']:.1f} s from the SuperLink's start to the run's end")
     assert run["survivors"] == [], f"processes left running: {run['survivors']}"
     assert run["returncode"] == 0, run["output"][-4000:]
     out = tmp_path / "deployed"
     assert (out / "results.json").exists(), run["output"][-4000:]
+    assert not (tmp_path / "elsewhere").exists()  # out-dir replaced the app's out_dir
     results = json.loads((out / "results.json").read_text())
     rounds = _rounds(out)
     assert [r["round"] for r in rounds] == [1, 2]

@@ -7,6 +7,7 @@ runs, so the rest of zofed works without it. Modules:
     rounds      the ServerApp side: find the SuperNodes and their partitions, drive rounds, count failures
     client      the ClientApp side: build the model and partition once per process, train one client
     apps        the ServerApp and ClientApp objects (module attributes for a deployed Flower app)
+    config      the run's config as text, the flat `--run-config` keys laid over it, SuperNodes a run needs
     simulation  `zofed run --backend flower`: the same apps on Flower's simulation engine
     deploy      write the Flower app directory (pyproject.toml from template/) for `flwr run`
 """

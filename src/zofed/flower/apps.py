@@ -1,8 +1,10 @@
 """The Flower ServerApp and ClientApp of zofed (Message API).
 
-`server_app` and `client_app` are the components a deployed Flower app names (template/pyproject.toml); they
-read the run's resolved config from the run config key `zofed-config`. The simulation backend builds its own
-pair with `make_server_app(config, ...)` and `make_client_app(config_text)` so nothing travels through files.
+`server_app` and `client_app` are the components a deployed Flower app names (template/pyproject.toml); both
+read the run's config from the run config with `resolve_run_config` (the `zofed-config` YAML with the flat keys
+such as `rounds` or `lr` laid over it), so a `flwr run --run-config` override reaches the server and every
+client alike. The simulation backend builds its own pair with `make_server_app(config, ...)` and
+`make_client_app(config_text)` so nothing travels through files.
 """
 
 from __future__ import annotations
@@ -15,32 +17,33 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-from zofed.flower.client import CONFIG_KEY, RESUME_KEY, answer_query, train_client
+from zofed.flower.client import answer_query, train_client
 
 
 def make_server_app(config: Any = None, *, resume: bool = False, console: Any = None, show_progress: bool = False,
-                    outcome: dict[str, Any] | None = None) -> ServerApp:
+                    outcome: dict[str, Any] | None = None, prepared: Any = None) -> ServerApp:
     """A ServerApp running one zofed federation. `config` (a FederatedConfig) defaults to the run config's
-    `zofed-config` text; `outcome` receives "results" or the "error" that ended the run."""
+    `zofed-config` text; `prepared` (a FederatedRun from `prepare_run`) is used instead of preparing the run
+    here, so the simulation can size its SuperNodes from the partition without building twice; `outcome`
+    receives "results" or the "error" that ended the run."""
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         from rich.console import Console
 
-        from zofed.flower.config import parse_config_text
+        from zofed.flower.config import RESUME_KEY, resolve_run_config
         from zofed.flower.rounds import serve
         from zofed.run.federated import prepare_run
 
         try:
-            cfg, again = config, resume
-            if cfg is None:
-                text = context.run_config.get(CONFIG_KEY)
-                if not isinstance(text, str) or not text:
-                    raise ValueError(f"the run config has no {CONFIG_KEY!r}: write the app with `zofed flower-app`")
-                cfg, again = parse_config_text(text), bool(context.run_config.get(RESUME_KEY, False))
             out = console or Console()
-            run = prepare_run(cfg, resume=again, console=out)
+            run = prepared
+            if run is None:
+                cfg, again = config, resume
+                if cfg is None:  # a deployed app: the run config, with any `flwr run --run-config` overrides
+                    cfg, again = resolve_run_config(context.run_config), bool(context.run_config.get(RESUME_KEY))
+                run = prepare_run(cfg, resume=again, console=out)
             t0 = time.perf_counter()
             with run.progress(out, show_progress) as on_round:
                 connect = serve(grid, run, _reported(on_round, out, quiet=show_progress))
@@ -68,8 +71,8 @@ def _reported(on_round: Callable[[dict], None], console: Any, quiet: bool) -> Ca
 
 
 def make_client_app(config_text: str | None = None) -> ClientApp:
-    """A ClientApp training the client its SuperNode's `partition-id` names; `config_text` defaults to the run
-    config's `zofed-config`."""
+    """A ClientApp training the client its SuperNode's `partition-id` names; `config_text` defaults to the
+    run config's, resolved as the ServerApp resolves it."""
     app = ClientApp()
 
     @app.query()

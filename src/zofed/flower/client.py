@@ -24,9 +24,6 @@ from zofed.flower.messages import (
     uplink_content,
 )
 
-CONFIG_KEY = "zofed-config"  # run config key holding the resolved YAML config (deployment)
-RESUME_KEY = "zofed-resume"
-
 
 @dataclass
 class ClientWorker:
@@ -35,15 +32,15 @@ class ClientWorker:
 
 
 @functools.lru_cache(maxsize=2)
-def client_worker(config_text: str) -> ClientWorker:
-    """Build once per process and config: the model replica, the encoded data, every client's examples."""
+def client_worker(text: str) -> ClientWorker:
+    """Build once per process and config text: the model replica, the encoded data, every client's examples."""
     from zofed.data.partition import client_splits
     from zofed.fl.client import ClientContext
     from zofed.fl.roles import ClientRole
     from zofed.flower.config import parse_config_text
     from zofed.run.setup import build
 
-    config = parse_config_text(config_text)
+    config = parse_config_text(text)
     setup = build(config)
     splits = client_splits(setup.train_data, config.federation.partition)
     ctx = ClientContext(setup.model, setup.trainable, setup.task, setup.train)
@@ -63,16 +60,19 @@ def answer_query(message: Message, context: Context) -> Message:
     return Message(partition_content(*node_partition(context.node_config)), reply_to=message)
 
 
-def train_client(message: Message, context: Context, config_text: str | None = None) -> Message:
-    """Decode the downlink, train this node's client, reply with the encoded uplink. Errors propagate: Flower
-    turns them into an error reply that the server counts."""
+def train_client(message: Message, context: Context, text: str | None = None) -> Message:
+    """Decode the downlink, train this node's client, reply with the encoded uplink. `text` is the run's config
+    YAML (the simulation's); without it the config is the run config's `zofed-config` with its flat keys laid
+    over it, as the ServerApp resolves it. Errors propagate: Flower turns them into an error reply that the
+    server counts."""
     downlink, client_id, round_id = read_train(message)
     partition_id, _ = node_partition(context.node_config)
     if client_id != partition_id:
         raise ValueError(f"asked to train client {client_id}, but this SuperNode holds partition {partition_id}")
-    text = config_text if config_text is not None else context.run_config.get(CONFIG_KEY)
-    if not isinstance(text, str) or not text:
-        raise ValueError(f"the run config has no {CONFIG_KEY!r}: write the app with `zofed flower-app`")
+    if text is None:
+        from zofed.flower.config import config_text, resolve_run_config
+
+        text = config_text(resolve_run_config(context.run_config))  # the resolved text keys the worker cache
     worker = client_worker(text)
     if not 0 <= client_id < len(worker.indices):
         raise ValueError(f"client {client_id} is outside the partition's {len(worker.indices)} clients")
