@@ -141,3 +141,13 @@ def test_own_data_options_from_the_readme_work_on_both_commands(command, tmp_pat
                       **({"schema": FederatedConfig} if command == "run" else {}))
     assert (cfg.data.test_source, cfg.data.text_columns, cfg.data.label_column) == (
         f"{tmp_path}/test.csv", ["review"], "stars")
+
+
+def test_methods_lists_every_registered_method_with_its_server_default():
+    from zofed.fl.methods import method_names
+
+    result = CliRunner().invoke(app, ["methods"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    for name in method_names():
+        assert name in result.output
+    assert "adam lr 0.01, tensor, relative" in result.output  # zofed's own server step

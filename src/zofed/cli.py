@@ -162,15 +162,17 @@ def flower_app(
     resume: Annotated[bool, typer.Option(help="the ServerApp continues out_dir's run from its checkpoint")] = False,
 ) -> None:
     """Write a Flower app (pyproject.toml with the resolved config) for `flwr run` on a real deployment."""
+    from zofed.flower.config import num_supernodes
     from zofed.flower.deploy import write_app
     from zofed.run.config import FederatedConfig, load_config
 
     try:
         cfg = load_config(config, list(set_ or []), schema=FederatedConfig)
         path = write_app(cfg, out, resume=resume)
+        nodes = num_supernodes(cfg)
     except _user_errors() as err:
         _fail(str(err))
-    console.print(f"wrote {path}: start the SuperLink and {cfg.federation.partition.num_clients} SuperNodes, then "
+    console.print(f"wrote {path}: start the SuperLink and {nodes} SuperNodes, then "
                   f"`flwr run {out} <connection> --stream` (docs/flower.md)")
 
 
@@ -234,6 +236,23 @@ def evaluate(
     n = len(indices) if indices is not None else len(setup.test)
     (run_dir / "eval.json").write_text(json.dumps({"test": result, "test_examples": n}, indent=2))
     console.print(" ".join(f"{k}={v:.4f}" for k, v in result.items()) + f" on {n} test examples")
+
+
+@app.command()
+def methods() -> None:
+    """List the registered federated methods (federation.method) and their server optimizer defaults."""
+    from zofed.fl.methods import get_method, method_names
+
+    table = Table(title="federated methods")
+    for column in ("method", "what it does", "server default"):
+        table.add_column(column)
+    for name in method_names():
+        method = get_method(name)
+        default = method.server_default
+        server = f"{default.name} lr {default.lr:g}" + (f", {default.granularity}" if default.name != "sgd" else "")
+        table.add_row(name + (" (default)" if name == "zofed" else ""), method.summary,
+                      server + (", relative" if default.relative else ""))
+    console.print(table)
 
 
 @app.command()

@@ -81,14 +81,13 @@ class FederationPlan:
             "lr": fed.first_order_lr if method.first_order else config.optimizer.lr, "eps": config.zo.eps,
             "run_seed": config.train.seed, "queries": config.zo.queries, "batch_size": config.train.batch_size,
             "noise": config.zo.noise, "pool_size": fed.pool_size,
-            "sampling": BlockSampling(sampling.mix, sampling.prior_weight, sampling.tilt, sampling.blocks,
-                                      sampling.shared_seeds),
+            "sampling": BlockSampling(**sampling.model_dump(exclude={"personalize"})),
             "first_order_optimizer": fed.first_order_optimizer}
         return cls(**settings)
 
     def round(self, round_id: int) -> LocalTraining:
         from zofed.fl.methods import get_method
 
-        local = LocalTraining(self.method, self.run_seed, round_id, self.local_steps, self.lr, self.eps,
-                              self.queries, self.batch_size, self.noise, self.pool_size)
+        shared = {f.name: getattr(self, f.name) for f in fields(LocalTraining) if hasattr(self, f.name)}
+        local = LocalTraining(**{**shared, "round_id": round_id})
         return get_method(self.method).round_plan(local, self.sampling)

@@ -26,31 +26,31 @@ class RoundInbox:
     bytes_up: list[int] = field(default_factory=list)
 
 
-def receive(inbox: RoundInbox, data: bytes, round_id: int, client_id: int, plan: LocalTraining,
+def receive(inbox: RoundInbox, data: bytes, round_id: int, client_id: int, local: LocalTraining,
             num_trainable: int, dense: bool) -> None:
     """Decode and check one uplink against what this round asked for (`dense`: the method uploads dense
     updates); a bad one is recorded, never raised."""
     inbox.bytes_up.append(len(data))
     try:
         update = decode(data, expect_round=round_id, expect_client=client_id, max_bytes=64 * 2**20 + 8 * num_trainable)
-        _check_against_plan(update, plan, num_trainable, dense)
+        _check_against_round(update, local, num_trainable, dense)
     except MessageError as err:
         inbox.rejected.append((client_id, f"{err.reason}: {err}"))
         return
     inbox.accepted.append(update)
 
 
-def _check_against_plan(update: ClientUpdate, plan: LocalTraining, num_trainable: int, dense: bool) -> None:
+def _check_against_round(update: ClientUpdate, local: LocalTraining, num_trainable: int, dense: bool) -> None:
     if (update.dense is not None) != dense:
-        raise MessageError("shape", f"{plan.method} uploads {'a dense update' if dense else 'seeds and scalars'}, "
+        raise MessageError("shape", f"{local.method} uploads {'a dense update' if dense else 'seeds and scalars'}, "
                                     f"this uplink {'a dense update' if update.dense is not None else 'scalars'}")
     if update.dense is not None:
         if update.dense.size != num_trainable:
             raise MessageError("shape", f"dense update has {update.dense.size} values, the model {num_trainable}")
         return
-    if update.grads.shape != (plan.local_steps, plan.queries):
+    if update.grads.shape != (local.local_steps, local.queries):
         raise MessageError("shape", f"grads shape {update.grads.shape}, round asked for "
-                                    f"{(plan.local_steps, plan.queries)}")
+                                    f"{(local.local_steps, local.queries)}")
     if update.num_examples < 1:
         raise MessageError("bad_field", "num_examples must be at least 1")
 

@@ -64,8 +64,8 @@ def connect_clients(grid: Grid, num_clients: int, node_timeout: float) -> dict[i
             continue
         partition_id, num_partitions = read_partition(reply)
         if num_partitions != num_clients:
-            problems.append(f"node {node} says num-partitions={num_partitions}, the config has {num_clients} clients "
-                            f"(federation.partition.num_clients)")
+            problems.append(f"node {node} says num-partitions={num_partitions}, the run's partition has {num_clients} "
+                            f"clients (start every SuperNode with num-partitions={num_clients})")
         elif not 0 <= partition_id < num_clients:
             problems.append(f"node {node} holds partition-id={partition_id}, outside 0..{num_clients - 1}")
         elif partition_id in client_node:

@@ -68,7 +68,7 @@ def block_probes(update: ClientUpdate, pi: np.ndarray) -> tuple[list[int], list[
 class Zofed(Method):
     name = "zofed"
     summary = ("one block a step, drawn from each client's own distribution; base seed and one scalar a step "
-               "uploaded; block-wise adaptive momentum on the server")
+               "uploaded; tensor-wise adaptive momentum on the server")
     uses_sampling = True
     server_default = ServerDefault("adam", 1e-2, "tensor", relative=True)
 
