@@ -12,10 +12,18 @@ here, with a tag no other stream can take:
 | FedKSeed picks          | [run seed, KSEED_PICKS, round, client]          | which pool seeds a client's steps use |
 | centralized batch       | [run seed, step]                                | centralized fine-tuning's batch       |
 | step seeds (derive_seed)| (run seed, round, owner) then (base, step)      | perturbation seeds (zo/noise.py)      |
+| centralized step seed   | derive_seed(run seed, step)                     | centralized fine-tuning's perturbation|
 | FedKSeed pool           | derive_seed(run seed, KSEED_POOL + j)           | the K candidate seeds                 |
 | block draw              | derive_seed(step seed, BLOCK_DRAW)              | zofed's block of a step               |
+| held-out split          | run seed                                        | a test fifth of a file with no test   |
+| training cap            | run seed                                        | data.train_examples' subset           |
+| test cap                | run seed + 1                                    | data.test_examples' subset            |
+| watched test subset     | run seed + 2                                    | data.eval_examples, evaluated per round|
+| partition               | partition.seed (data/partition.py)              | the client split, each client's test  |
 
-Tags sit far above any round, client or step index (those are below 2**32), so no two streams meet.
+Tags sit far above any round, client or step index (those are below 2**32), so no two streams of a run meet.
+The data streams are plain integer seeds, kept as they were so existing splits and subsets stay the same: the
+training cap draws after the held-out split from the same seed, on the examples the split left.
 """
 
 from __future__ import annotations
@@ -43,3 +51,19 @@ def kseed_picks(run_seed: int, round_id: int, client_id: int) -> np.random.Gener
 
 def centralized_batch(seed: int, step: int) -> np.random.Generator:
     return np.random.default_rng([seed, step])
+
+
+def held_out_split(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def training_cap(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def test_cap(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed + 1)
+
+
+def watched_subset(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed + 2)

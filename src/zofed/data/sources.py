@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from zofed import streams
+
 from .catalog import BUILTIN_DATASETS
 
 FORMATS = ("csv", "tsv", "jsonl", "json", "label-text")
@@ -91,7 +93,7 @@ class TextDataset:
             n_test = int(test_size)
         if not 0 < n_test < n:
             raise ValueError(f"{self.name}: test_size {test_size} leaves no train or no test data (n={n})")
-        perm = np.random.default_rng(seed).permutation(n)
+        perm = streams.held_out_split(seed).permutation(n)
         # Sorting keeps the original order inside each part, so printed subsets are easy to compare.
         test_idx, train_idx = np.sort(perm[:n_test]), np.sort(perm[n_test:])
         train, test = self.subset(train_idx.tolist()), self.subset(test_idx.tolist())

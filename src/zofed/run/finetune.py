@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from zofed import streams
 from zofed.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, write_atomic_text
 from zofed.run.config import ConfigError, FederatedConfig, FinetuneConfig, check_resumed_config, dump_config
 from zofed.run.metrics import MetricsLog
@@ -25,7 +26,7 @@ from zofed.zo.step import zo_step
 
 
 def batch_indices(config: FinetuneConfig, step: int, n_train: int) -> np.ndarray:
-    rng = np.random.default_rng([config.train.seed, step])
+    rng = streams.centralized_batch(config.train.seed, step)
     return rng.choice(n_train, size=min(config.train.batch_size, n_train), replace=False)
 
 

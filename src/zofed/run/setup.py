@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from zofed import streams
 from zofed.data.builtin import BUILTIN_DATASETS, load_builtin, load_shared
 from zofed.data.sources import TextDataset, load_dataset_spec
 from zofed.data.tasks import Encoded, Task, make_task
@@ -54,9 +55,9 @@ def load_splits(config: FinetuneConfig) -> tuple[TextDataset, TextDataset]:
         else:  # no test file given: hold out a seeded fifth of the training file
             train, test = train.train_test_split(0.2, seed)
     if data.train_examples is not None and data.train_examples < len(train):
-        train = train.subset(np.random.default_rng(seed).permutation(len(train))[: data.train_examples])
+        train = train.subset(streams.training_cap(seed).permutation(len(train))[: data.train_examples])
     if data.test_examples is not None and data.test_examples < len(test):
-        test = test.subset(np.random.default_rng(seed + 1).permutation(len(test))[: data.test_examples])
+        test = test.subset(streams.test_cap(seed).permutation(len(test))[: data.test_examples])
     return train, test
 
 
@@ -76,7 +77,7 @@ def build(config: FinetuneConfig) -> Setup:
 def eval_indices(config: FinetuneConfig, test: Encoded) -> np.ndarray:
     """The fixed test subset watched during training (the full test split is evaluated at the end)."""
     n = min(config.data.eval_examples, len(test))
-    return np.sort(np.random.default_rng(config.train.seed + 2).permutation(len(test))[:n])
+    return np.sort(streams.watched_subset(config.train.seed).permutation(len(test))[:n])
 
 
 def save_final(setup: Setup, out: Path) -> None:
