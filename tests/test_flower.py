@@ -84,7 +84,7 @@ def _faulty_client_app(text, fail_client, hang_client=None):
         if message.metadata.group_id == "0" and partition == hang_client:
             import time
 
-            time.sleep(200)  # well past the round's reply timeout
+            time.sleep(50)  # well past the round's reply timeout (30 s below)
         return train_client(message, context, text)
 
     return app
@@ -92,13 +92,13 @@ def _faulty_client_app(text, fail_client, hang_client=None):
 
 def test_client_errors_and_missing_replies_are_counted_per_round(tiny_workspace, tmp_path):
     cfg = _config(tiny_workspace, tmp_path / "faulty", "federation.partition.num_clients=3",
-                  "federation.clients_per_round=3", "flower.min_clients=1", "flower.reply_timeout=120")
+                  "federation.clients_per_round=3", "flower.min_clients=1", "flower.reply_timeout=30")
     results = run_flower_simulation(cfg, show_progress=False, client_app=_faulty_client_app(config_text(cfg), 0, 2))
     first, second = _rounds(tmp_path / "faulty")
     assert first["client_errors"] == 1 and first["missing"] == 1 and first["accepted"] == 1
     reasons = {r["client"]: r["reason"] for r in first["rejected"]}
     assert reasons[0].startswith("client_error:") and "disk full on this client" in reasons[0]
-    assert reasons[2].startswith("missing: no reply within 120 s")
+    assert reasons[2].startswith("missing: no reply within 30 s")
     assert second["accepted"] == 3 and second["rejected"] == [] and second["client_errors"] == second["missing"] == 0
     assert results["rejected_uplinks"] == 2
 

@@ -57,8 +57,7 @@ class WeightedMean:
             raise ValueError("no accepted client update to aggregate")
         total = sum(c.num_examples for c in contributions)
         mean = [torch.zeros_like(t) for t in like]
-        pooled: list[Directions] = []  # (perturbation, weighted terms), in first-use order
-        where: dict[tuple, int] = {}  # pool key -> index in pooled
+        pooled: dict[Any, Directions] = {}  # pool key (or a fresh one for a per-step perturbation) -> terms
         for c in contributions:
             weight = c.num_examples / total
             if c.dense is not None:
@@ -66,13 +65,9 @@ class WeightedMean:
                     m.add_(d, alpha=weight)
                 continue
             for pert, terms in c.directions:
-                key = pert.pool_key()
-                if key is None or key not in where:
-                    if key is not None:
-                        where[key] = len(pooled)
-                    pooled.append((pert, []))
-                pooled[where[key] if key is not None else -1][1].extend((s, coeff * weight) for s, coeff in terms)
-        for pert, terms in pooled:
+                key = pert.pool_key() or object()
+                pooled.setdefault(key, (pert, []))[1].extend((s, coeff * weight) for s, coeff in terms)
+        for pert, terms in pooled.values():  # in first-use order
             add_directions_(mean, terms, pert)
         return mean, state
 
