@@ -15,8 +15,8 @@ def noise_like(tensor: torch.Tensor, seed: int, tensor_index: int, kind: str) ->
     """The whole perturbation of one tensor as a dense tensor, chunk by chunk as the engine makes it."""
     source = NoiseSource(kind)
     out = torch.empty(tensor.numel(), dtype=torch.float32)
-    for index, start, end in chunk_bounds(tensor.numel()):
-        out[start:end] = source.chunk(seed, tensor_index, index, end - start)
+    for _, start, end in chunk_bounds(tensor.numel()):
+        out[start:end] = source.chunk(seed, tensor_index, start, end - start)
     return out.view_as(tensor)
 
 

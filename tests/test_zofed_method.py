@@ -259,7 +259,7 @@ def test_a_warm_started_server_round_moves_the_probed_blocks_by_less_than_full_s
         moved[warm] = np.array([float((t - s).square().mean().sqrt()) for t, s in zip(server.tensors, start,
                                                                                        strict=True)])
     assert ((moved[False] > 0) == (moved[True] > 0)).all() and (moved[False] > 0).sum() >= 2
-    assert np.allclose(moved[False][moved[False] > 0], 1e-2, rtol=0.03)  # tau trims a little
+    assert np.allclose(moved[False][moved[False] > 0], 1e-2, rtol=0.05)  # tau trims blocks of tiny updates a little
     assert (moved[True] <= 1e-2 * (1 + 1e-3)).all() and moved[True].sum() < 0.95 * moved[False].sum()
 
 

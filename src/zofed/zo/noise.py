@@ -1,16 +1,27 @@
-"""Seeded perturbation noise, regenerated from a seed instead of stored.
+"""Seeded perturbation noise: a pure function of (seed, tensor, element index), the same bits on every device.
 
-Every trainable tensor is cut into fixed-size chunks and each chunk draws from its own generator seeded
-by (seed, tensor index, chunk index). Any chunk of any perturbation can therefore be rebuilt on its own,
-in any order: the client perturbs and restores in place, and the server streams over tensors to rebuild
-a client's update without ever holding a dense copy of the noise.
+Every party regenerates a perturbation from its seed instead of storing or sending it, so client and server
+must compute the same values even when one runs on a GPU and the other on a CPU. Torch's generators do not
+promise that (the CPU and CUDA streams differ for the same seed, and CUDA's differs between GPU models for
+large tensors), so zofed's noise is counter-based, computed with 32-bit integer tensor operations only:
 
-The chunk size and the seed mixing are part of the reproducibility contract between client and server:
-changing them changes every perturbation.
+    key         = derive_seed(seed, tensor)                  (splitmix64 in Python; k0, k1 its two halves)
+    word(j)     = mix(mix(j xor k0) xor k1)                  (j: the counter; mix: the lowbias32 integer hash)
+    rademacher  element e is +1 if bit 31 - (e mod 32) of word(e div 32) is 0, else -1
+    gaussian    elements 2m, 2m+1 are Box-Muller of the words of counters 2**31 + 2m and 2**31 + 2m + 1
+
+Integer multiplication wraps modulo 2**32 on every torch backend, so the words, and therefore Rademacher
+noise, are bit-identical on CPU, CUDA and MPS, whatever the chunking, the thread count or the other tensors of
+the model. Gaussian noise is bit-identical where log, sqrt and cos round alike; elsewhere it may differ in the
+last bit or two of float32 (tests bound it against a float64 evaluation). `tests/test_noise.py` holds the
+committed vectors every platform must reproduce.
+
+Tensors are cut into chunks of CHUNK elements only to bound the scratch memory; the values do not depend on it.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Iterator
 from typing import Literal
@@ -19,9 +30,10 @@ import torch
 
 NoiseKind = Literal["rademacher", "gaussian"]
 NOISE_KINDS: tuple[str, ...] = ("rademacher", "gaussian")
-CHUNK = 1 << 18  # elements per seeded chunk: small enough to stay in cache, large enough to amortize calls
+CHUNK = 1 << 18  # elements per scratch chunk (a multiple of 64, so chunks start on word and pair boundaries)
+GAUSSIAN_COUNTER = 1 << 31  # gaussian words count from here, apart from rademacher's
 _MASK64 = (1 << 64) - 1
-_SHIFTS = torch.arange(32, dtype=torch.int32)
+_MASK32 = (1 << 32) - 1
 _SIGN_BIT = -(2**31)
 
 
@@ -40,55 +52,103 @@ def derive_seed(*parts: int) -> int:
     return h >> 1
 
 
+def _int32(value: int) -> int:
+    """An unsigned 32-bit constant as the signed value torch's int32 holds."""
+    value &= _MASK32
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
 def _float_bits(value: float) -> int:
     return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
-class NoiseSource:
-    """Writes seeded noise chunks into a reusable buffer; one per thread of work.
+_M1, _M2 = _int32(0x7FEB352D), _int32(0x846CA68B)
 
-    With `cache_words=True` the random words behind Rademacher chunks are kept (1 bit per element,
-    1/32 of the parameters' memory) so the several passes of one ZO step draw them only once; `clear()`
-    drops them when the step moves to the next direction.
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of uint32 values held in int32 (torch's >> on int32 keeps the sign)."""
+    return torch.bitwise_right_shift(x, k).bitwise_and_((1 << (32 - k)) - 1)
+
+
+def _mix_(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 (Wellons' integer hash prospector), in place on int32 values read as uint32."""
+    x.bitwise_xor_(_shr(x, 16)).mul_(_M1)
+    x.bitwise_xor_(_shr(x, 15)).mul_(_M2)
+    return x.bitwise_xor_(_shr(x, 16))
+
+
+def tensor_key(seed: int, tensor_index: int) -> tuple[int, int]:
+    """The two 32-bit keys of one tensor's noise under `seed`, as int32 values."""
+    key = derive_seed(seed, tensor_index)
+    return _int32(key), _int32(key >> 32)
+
+
+def words(seed: int, tensor_index: int, start: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Random words `start` .. `start + count - 1` of one tensor's stream, as int32 (the bits are what count)."""
+    k0, k1 = tensor_key(seed, tensor_index)
+    x = torch.arange(start, start + count, dtype=torch.int64, device=device).bitwise_and_(_MASK32)
+    x = x.sub_(x.bitwise_right_shift(31).bitwise_left_shift_(32)).to(torch.int32)  # uint32 -> int32, exactly
+    _mix_(x.bitwise_xor_(k0))
+    return _mix_(x.bitwise_xor_(k1))
+
+
+class NoiseSource:
+    """Writes seeded noise chunks into a reusable buffer on one device; one per thread of work.
+
+    With `cache_words=True` the random words behind Rademacher chunks are kept (1 bit per element, 1/32 of the
+    parameters' memory) so the several passes of one ZO step hash them only once; `clear()` drops them.
     """
 
-    def __init__(self, kind: NoiseKind, cache_words: bool = False) -> None:
+    def __init__(self, kind: NoiseKind, cache_words: bool = False, device: torch.device | str = "cpu") -> None:
         if kind not in NOISE_KINDS:
             raise ValueError(f"unknown noise kind {kind!r}; choose one of {', '.join(NOISE_KINDS)}")
         self.kind = kind
-        self._gen = torch.Generator(device="cpu")
-        self._bits = torch.empty(CHUNK, dtype=torch.int32)
+        self.device = torch.device(device)
+        self._bits = torch.empty(CHUNK, dtype=torch.int32, device=self.device)
+        self._shifts = torch.arange(32, dtype=torch.int32, device=self.device)
         self._cache: dict[tuple[int, int, int], torch.Tensor] | None = {} if cache_words else None
 
     def clear(self) -> None:
         if self._cache is not None:
             self._cache.clear()
 
-    def _words(self, seed: int, tensor_index: int, chunk_index: int, words: int) -> torch.Tensor:
-        key = (seed, tensor_index, chunk_index)
+    def _rademacher_words(self, seed: int, tensor_index: int, start: int, count: int) -> torch.Tensor:
+        key = (seed, tensor_index, start)
         if self._cache is not None and key in self._cache:
             return self._cache[key]
-        self._gen.manual_seed(derive_seed(seed, tensor_index, chunk_index))
-        rand = torch.randint(-(2**31), 2**31, (words,), dtype=torch.int32, generator=self._gen)
+        w = words(seed, tensor_index, start, count, self.device)
         if self._cache is not None:
-            self._cache[key] = rand
-        return rand
+            self._cache[key] = w
+        return w
 
-    def chunk(self, seed: int, tensor_index: int, chunk_index: int, size: int, scale: float = 1.0) -> torch.Tensor:
-        """`scale * z` for one chunk, as a float32 view that is valid until the next call."""
+    def chunk(self, seed: int, tensor_index: int, start: int, size: int, scale: float = 1.0) -> torch.Tensor:
+        """`scale * z` for elements `start` .. `start + size - 1` of one tensor, as a float32 view that is valid
+        until the next call. `start` must be a multiple of 64 (chunk_bounds gives such chunks)."""
+        if start % 64:
+            raise ValueError(f"noise chunks start on a multiple of 64 elements, not at {start}")
         if self.kind == "gaussian":
-            self._gen.manual_seed(derive_seed(seed, tensor_index, chunk_index))
-            z = torch.randn(size, generator=self._gen)
-            return z.mul_(scale) if scale != 1.0 else z
-        # Rademacher from random bits: bit k of a random word becomes the sign bit of a float whose
-        # magnitude bits are |scale|, so one word yields 32 entries of +-scale with integer ops only.
-        words = (size + 31) // 32
-        rand = self._words(seed, tensor_index, chunk_index, words)
-        bits = self._bits[: words * 32].view(words, 32)
-        torch.bitwise_left_shift(rand.unsqueeze(1), _SHIFTS, out=bits)
+            return gaussian(seed, tensor_index, start, size, self.device).mul_(scale)
+        # Bit k of a word becomes the sign bit of a float whose magnitude bits are |scale|: one word yields 32
+        # entries of +-scale with integer operations only.
+        count = (size + 31) // 32
+        w = self._rademacher_words(seed, tensor_index, start // 32, count)
+        bits = self._bits[: count * 32].view(count, 32)
+        torch.bitwise_left_shift(w.unsqueeze(1), self._shifts, out=bits)
         bits.bitwise_and_(_SIGN_BIT).bitwise_or_(_float_bits(abs(scale)))
         out = self._bits[:size].view(torch.float32)
         return out.neg_() if scale < 0 else out
+
+
+def gaussian(seed: int, tensor_index: int, start: int, size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Standard normal elements `start` .. `start + size - 1` of one tensor (start even): Box-Muller on pairs of
+    words, u1 in (0, 1] and u2 in [0, 1) from their top 24 bits."""
+    pairs = (size + 1) // 2
+    w = words(seed, tensor_index, GAUSSIAN_COUNTER + start, 2 * pairs, device).view(pairs, 2)
+    u = _shr(w, 8).to(torch.float32).mul_(2.0**-24)
+    radius = torch.log1p(-u[:, 0]).mul_(-2.0).sqrt_()  # 1 - u1 lies in (0, 1]: log is finite
+    angle = u[:, 1].mul(2 * math.pi)
+    z = torch.stack([radius * torch.cos(angle), radius * torch.sin(angle)], dim=1).reshape(-1)
+    return z[:size]
 
 
 def chunk_bounds(numel: int) -> Iterator[tuple[int, int, int]]:

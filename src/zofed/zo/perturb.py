@@ -53,7 +53,7 @@ class Perturbation:
                   coeff: float) -> torch.Tensor:
         """`coeff * u_i` over elements [start, end) of tensor i (a scratch view, valid until reuse)."""
         c = coeff * self.scale(i)
-        u = source.chunk(seed, i, chunk, end - start, c)
+        u = source.chunk(seed, i, start, end - start, c)
         if self.momentum is not None and self.momentum_weight != 0.0:
             rms = self.momentum_rms[i] if self.momentum_rms is not None else 1.0
             if rms > 0:

@@ -1,0 +1,108 @@
+"""The noise contract: a pure function of (seed, tensor, element index), the same bits everywhere.
+
+The committed vectors are what every platform must reproduce (a CUDA or MPS run of this file checks the same
+numbers); a plain-Python evaluation of the same hash, with no torch at all, checks the tensor code against the
+written definition.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from zofed.zo.noise import CHUNK, GAUSSIAN_COUNTER, NoiseSource, derive_seed, gaussian, words
+from zofed.zo.perturb import Perturbation, add_directions_
+
+# (seed, tensor, first word) -> the next four words as uint32
+WORD_VECTORS = {
+    (0, 0, 0): [3761278579, 1174573768, 3151483190, 1107398617],
+    (1, 0, 0): [2885042249, 3487161979, 1951333379, 280435914],
+    (2024, 3, 1000): [1535623829, 422764189, 3656158657, 3368085428],
+    (2**62 + 5, 17, 2**31 - 4): [3924306674, 3199442314, 1323260543, 1955108163],
+}
+RADEMACHER_VECTOR = ((9, 2, 128, 0.5), [-0.5, -0.5, -0.5, 0.5, 0.5, 0.5, 0.5, -0.5])
+GAUSSIAN_VECTOR = ((7, 1, 64), [0.5711509585380554, -0.5829125642776489, -0.31386303901672363, 0.6057842969894409])
+
+
+def _mix(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def reference_word(seed: int, tensor: int, counter: int) -> int:
+    """The documented definition, in plain Python integers."""
+    key = derive_seed(seed, tensor)
+    k0, k1 = key & 0xFFFFFFFF, (key >> 32) & 0xFFFFFFFF
+    return _mix(_mix((counter & 0xFFFFFFFF) ^ k0) ^ k1)
+
+
+@pytest.mark.parametrize(("seed", "tensor", "start"), sorted(WORD_VECTORS))
+def test_words_match_the_committed_vectors_and_the_written_definition(seed, tensor, start):
+    got = [int(w) & 0xFFFFFFFF for w in words(seed, tensor, start, 4)]
+    assert got == WORD_VECTORS[(seed, tensor, start)]
+    assert got == [reference_word(seed, tensor, start + j) for j in range(4)]
+
+
+def test_rademacher_and_gaussian_match_their_committed_vectors():
+    (seed, tensor, start, scale), expected = RADEMACHER_VECTOR
+    assert NoiseSource("rademacher").chunk(seed, tensor, start, 8, scale).tolist() == expected
+    (seed, tensor, start), expected = GAUSSIAN_VECTOR
+    assert gaussian(seed, tensor, start, 4).tolist() == pytest.approx(expected, rel=1e-6, abs=1e-7)
+
+
+def test_rademacher_signs_are_the_bits_of_the_words_most_significant_first():
+    source = NoiseSource("rademacher")
+    signs = source.chunk(11, 4, 64 * 5, 96, 1.0)
+    for e in range(96):
+        word = reference_word(11, 4, (64 * 5 + e) // 32)
+        assert signs[e] == (-1.0 if (word >> (31 - e % 32)) & 1 else 1.0)
+
+
+def test_a_tensors_noise_does_not_depend_on_chunking_threads_or_the_other_tensors():
+    n = CHUNK * 2 + 4321
+    for kind in ("rademacher", "gaussian"):
+        whole = [torch.zeros(n), torch.zeros(70)]
+        add_directions_(whole, [(5, 1.0)], Perturbation(kind=kind))
+        alone = [torch.zeros(0), torch.zeros(70)]  # tensor 1 of another model, whose tensor 0 is empty
+        add_directions_(alone, [(5, 1.0)], Perturbation(kind=kind))
+        assert torch.equal(whole[1], alone[1])
+        source = NoiseSource(kind)
+        pieces = [source.chunk(5, 0, s, min(640, n - s)).clone() for s in range(0, n, 640)]  # other chunk size
+        assert torch.equal(torch.cat(pieces), whole[0])
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(2)
+            again = [torch.zeros(n)]
+            add_directions_(again, [(5, 1.0)], Perturbation(kind=kind))
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(again[0], whole[0])
+
+
+def test_gaussian_noise_is_normal_and_within_a_few_ulp_of_a_float64_evaluation():
+    z = gaussian(3, 1, 0, 200_000)
+    assert abs(float(z.mean())) < 0.01 and abs(float(z.std()) - 1) < 0.01
+    assert abs(float((z > 1.96).double().mean()) - 0.025) < 0.002
+    w = [reference_word(3, 1, GAUSSIAN_COUNTER + j) for j in range(2000)]
+    u1 = np.array([(w[2 * m] >> 8) * 2.0**-24 for m in range(1000)])
+    u2 = np.array([(w[2 * m + 1] >> 8) * 2.0**-24 for m in range(1000)])
+    radius = np.sqrt(-2 * np.log1p(-u1))
+    exact = np.stack([radius * np.cos(2 * math.pi * u2), radius * np.sin(2 * math.pi * u2)], axis=1).reshape(-1)
+    assert np.max(np.abs(z[:2000].double().numpy() - exact) / np.maximum(1.0, np.abs(exact))) < 2e-6
+
+
+def test_rademacher_words_are_balanced_and_unrelated_across_seeds_and_tensors():
+    bits = lambda seed, tensor: NoiseSource("rademacher").chunk(seed, tensor, 0, 1 << 16).clone()  # noqa: E731
+    a, b, c = bits(1, 0), bits(2, 0), bits(1, 1)
+    assert abs(float(a.mean())) < 0.02
+    assert abs(float((a * b).mean())) < 0.02 and abs(float((a * c).mean())) < 0.02
+    assert abs(float((a[1:] * a[:-1]).mean())) < 0.02  # neighbours within a word are unrelated
+
+
+def test_a_chunk_must_start_on_a_word_pair_boundary():
+    with pytest.raises(ValueError, match="multiple of 64"):
+        NoiseSource("rademacher").chunk(1, 0, 32, 10)
