@@ -78,8 +78,7 @@ class Moments:
         return frozenset({"expected_square"}) if self.warm_start else frozenset()
 
     def init(self, tensors: Sequence[torch.Tensor]) -> Buffers:
-        second = [torch.zeros_like(t) if self.granularity == "coordinate" else torch.zeros(1, dtype=t.dtype)
-                  for t in tensors]
+        second = [torch.zeros_like(t) if self.granularity == "coordinate" else t.new_zeros(1) for t in tensors]
         buffers = {"m": [torch.zeros_like(t) for t in tensors], "v": second}
         if self.rule == "amsgrad":
             buffers["vhat"] = [v.clone() for v in second]

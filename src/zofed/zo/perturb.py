@@ -49,8 +49,7 @@ class Perturbation:
     def mask(self, i: int) -> torch.Tensor | None:
         return None if self.masks is None else self.masks[i]
 
-    def direction(self, source: NoiseSource, seed: int, i: int, chunk: int, start: int, end: int,
-                  coeff: float) -> torch.Tensor:
+    def direction(self, source: NoiseSource, seed: int, i: int, start: int, end: int, coeff: float) -> torch.Tensor:
         """`coeff * u_i` over elements [start, end) of tensor i (a scratch view, valid until reuse)."""
         c = coeff * self.scale(i)
         u = source.chunk(seed, i, start, end - start, c)
@@ -66,6 +65,11 @@ class Perturbation:
         return u
 
 
+def _device(tensors: Sequence[torch.Tensor]) -> torch.device:
+    """Where the noise for these tensors is made: on their own device (the values are the same everywhere)."""
+    return tensors[0].device if len(tensors) else torch.device("cpu")
+
+
 def merge_terms(terms: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
     """Sum coefficients that share a seed so each direction is generated once per chunk."""
     merged: dict[int, float] = {}
@@ -79,13 +83,13 @@ def add_directions_(tensors: Sequence[torch.Tensor], terms: Sequence[tuple[int, 
                     perturbation: Perturbation, source: NoiseSource | None = None) -> None:
     """tensors[i] += sum_k coeff_k * u_i(seed_k), streaming over tensors and chunks."""
     terms = merge_terms(terms)
-    source = source or NoiseSource(perturbation.kind)
+    source = source or NoiseSource(perturbation.kind, device=_device(tensors))
     for i, flat in enumerate(tensors):
         if not perturbation.moves(i):
             continue
-        for chunk, start, end in chunk_bounds(flat.numel()):
+        for _, start, end in chunk_bounds(flat.numel()):
             for seed, coeff in terms:
-                flat[start:end].add_(perturbation.direction(source, seed, i, chunk, start, end, coeff))
+                flat[start:end].add_(perturbation.direction(source, seed, i, start, end, coeff))
 
 
 @torch.no_grad()
@@ -93,14 +97,14 @@ def write_directions_(out: Sequence[torch.Tensor], base: Sequence[torch.Tensor],
                       perturbation: Perturbation, source: NoiseSource | None = None) -> None:
     """out[i] = base[i] + sum_k coeff_k * u_i(seed_k): perturbs from a clean copy, so no rounding accumulates."""
     terms = merge_terms(terms)
-    source = source or NoiseSource(perturbation.kind)
+    source = source or NoiseSource(perturbation.kind, device=_device(out))
     for i, (flat, clean) in enumerate(zip(out, base, strict=True)):
-        for chunk, start, end in chunk_bounds(flat.numel()):
+        for _, start, end in chunk_bounds(flat.numel()):
             flat[start:end].copy_(clean[start:end])
             if not perturbation.moves(i):
                 continue
             for seed, coeff in terms:
-                flat[start:end].add_(perturbation.direction(source, seed, i, chunk, start, end, coeff))
+                flat[start:end].add_(perturbation.direction(source, seed, i, start, end, coeff))
 
 
 ChunkUpdate = Callable[[int, int, int, torch.Tensor, torch.Tensor], None]
@@ -118,12 +122,12 @@ def sweep_estimate(tensors: Sequence[torch.Tensor], restore: Sequence[tuple[int,
     restore_c = dict(merge_terms(restore))
     grad_c = dict(merge_terms(grad_terms))
     seeds = list(dict.fromkeys([*restore_c, *grad_c]))
-    source = source or NoiseSource(perturbation.kind)
+    source = source or NoiseSource(perturbation.kind, device=_device(tensors))
     for i, flat in enumerate(tensors):
-        for chunk, start, end in chunk_bounds(flat.numel()):
-            grad = torch.zeros(end - start, dtype=flat.dtype)
+        for _, start, end in chunk_bounds(flat.numel()):
+            grad = torch.zeros(end - start, dtype=flat.dtype, device=flat.device)
             for seed in seeds if perturbation.moves(i) else ():
-                u = perturbation.direction(source, seed, i, chunk, start, end, 1.0)
+                u = perturbation.direction(source, seed, i, start, end, 1.0)
                 if seed in restore_c:
                     flat[start:end].add_(u, alpha=restore_c[seed])
                 if seed in grad_c:

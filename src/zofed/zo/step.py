@@ -72,7 +72,8 @@ def zo_step(tensors: Sequence[torch.Tensor], loss_fn: Callable[[], float], optim
         return _exact_step(tensors, clean, loss_fn, optimizer, state, pert, seed, eps, lr, queries)
     grads, losses = [], []
     seeds = [query_seed(seed, j) for j in range(queries)]
-    source = NoiseSource(pert.kind, cache_words=queries == 1)  # q > 1 regenerates every direction at the end
+    # q > 1 regenerates every direction at the end; the noise is made on the tensors' own device
+    source = NoiseSource(pert.kind, cache_words=queries == 1, device=tensors[0].device)
     for j, s in enumerate(seeds):
         add_directions_(tensors, [(s, eps)], pert, source)
         loss_plus = float(loss_fn())
@@ -93,7 +94,7 @@ def zo_step(tensors: Sequence[torch.Tensor], loss_fn: Callable[[], float], optim
 def _exact_step(tensors, clean, loss_fn, optimizer, state, pert, seed, eps, lr, queries):
     grads, losses = [], []
     seeds = [query_seed(seed, j) for j in range(queries)]
-    source = NoiseSource(pert.kind, cache_words=queries == 1)
+    source = NoiseSource(pert.kind, cache_words=queries == 1, device=clean[0].device)
     for j, s in enumerate(seeds):
         write_directions_(tensors, clean, [(s, eps)], pert, source)
         loss_plus = float(loss_fn())
