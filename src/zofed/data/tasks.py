@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import re
 import string
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
@@ -20,6 +21,9 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from zofed.data.sources import DataError, TextDataset
+
+if TYPE_CHECKING:
+    from zofed.zo.prefix import PrefixCache
 
 TaskType = Literal["prompt-classification", "encoder-classification", "causal-lm"]
 INSTRUCTION_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{context}\n\n### Response:\n"
@@ -130,6 +134,9 @@ class Task:
     def logits(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         raise NotImplementedError
 
+    def cached_loss(self, model: torch.nn.Module, cache: PrefixCache, batch: Batch) -> Callable[[], float]:
+        raise ValueError(f"zo.prefix_cache works with prompt-classification tasks, not {self.config.type}")
+
     def loss_tensor(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         """The mean loss as a tensor (differentiable when autograd is on: first-order baselines use it)."""
         return F.cross_entropy(self.logits(model, batch), batch.labels)
@@ -174,6 +181,22 @@ class PromptClassification(Task):
         lm = _unwrap(model)
         backbone = getattr(lm, lm.base_model_prefix)
         hidden = backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+        return self.logits_from_hidden(model, hidden, batch)
+
+    def cached_loss(self, model: torch.nn.Module, cache: PrefixCache, batch: Batch) -> Callable[[], float]:
+        """The batch's loss as a function of the trainable top blocks only: the frozen bottom runs once, here."""
+        prefix = cache.capture(batch.input_ids, batch.attention_mask)
+
+        @torch.no_grad()
+        def loss() -> float:
+            logits = self.logits_from_hidden(model, cache.hidden(prefix), batch)
+            return float(F.cross_entropy(logits, batch.labels))
+
+        return loss
+
+    def logits_from_hidden(self, model: torch.nn.Module, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Label-word logits at each row's last position, from the backbone's last hidden state."""
+        lm = _unwrap(model)
         last = batch.attention_mask.sum(1) - 1
         h = hidden[torch.arange(hidden.shape[0]), last]
         head = lm.get_output_embeddings()

@@ -21,6 +21,7 @@ from zofed.fl.protocol import ClientUpdate
 from zofed.models.selection import TrainableParams
 from zofed.zo.optim import MeZO
 from zofed.zo.perturb import Perturbation
+from zofed.zo.prefix import PrefixCache, first_trainable_layer
 from zofed.zo.step import zo_step
 
 if TYPE_CHECKING:
@@ -57,6 +58,20 @@ def dense_update(round_id: int, client_id: int, queries: int, num_examples: int,
                         num_examples, metrics, dense.astype(np.float32))
 
 
+def client_cache(ctx: ClientContext, local: LocalTraining) -> PrefixCache | None:
+    """The prefix cache the round plan asks for (pass_fraction below 1), split where this client's model's first
+    trainable block is; a model that splits elsewhere than the plan says is refused (its compute would be
+    miscounted)."""
+    if local.pass_fraction >= 1.0:
+        return None
+    start = first_trainable_layer(ctx.model, ctx.trainable.names)
+    cache = PrefixCache(ctx.model, start) if start is not None else None
+    if cache is None or abs(cache.fraction - local.pass_fraction) > 1e-9:
+        raise ValueError(f"the round plan runs {local.pass_fraction:.4f} of the model's blocks per perturbed pass, "
+                         f"but this client's model splits at {'no block' if cache is None else cache.fraction}")
+    return cache
+
+
 def run_zo_client(ctx: ClientContext, start: Sequence[torch.Tensor], client_id: int, indices: np.ndarray,
                   local: LocalTraining, seeds: StepSeeds, perturbations: Sequence[Perturbation], *,
                   dense: bool = False) -> tuple[ClientUpdate, list[torch.Tensor]]:
@@ -69,11 +84,14 @@ def run_zo_client(ctx: ClientContext, start: Sequence[torch.Tensor], client_id: 
     clean = [t.clone() for t in start]
     optimizer = MeZO()
     state = optimizer.init(clean)
+    cache = client_cache(ctx, local)
     grads, losses = [], []
     for t, (seed, pert) in enumerate(zip(seeds.seeds, perturbations, strict=True)):
         batch = local_batch(ctx, local, client_id, indices, t)
-        state, record = zo_step(tensors, lambda b=batch: ctx.task.loss(ctx.model, b), optimizer, state, seed=seed,
-                                eps=local.eps, lr=local.lr, queries=local.queries, perturbation=pert, clean=clean)
+        loss = (ctx.task.cached_loss(ctx.model, cache, batch) if cache is not None
+                else lambda b=batch: ctx.task.loss(ctx.model, b))
+        state, record = zo_step(tensors, loss, optimizer, state, seed=seed, eps=local.eps, lr=local.lr,
+                                queries=local.queries, perturbation=pert, clean=clean)
         grads.append(record.grads)
         losses.append(record.loss)
     metrics = {"train_loss": float(np.mean(losses))}

@@ -33,6 +33,7 @@ class LocalTraining:
     tilt: float = 0.0  # zofed: lean towards the server's first moment (sent with the downlink)
     blocks: int = 0  # zofed: how many blocks the trainable tensors are cut into (0: one per tensor)
     shared_seeds: int = 0  # zofed: 1 when the round's clients share their step seeds
+    pass_fraction: float = 1.0  # share of the model's blocks a perturbed pass runs (below 1: prefix caching)
 
     def to_config(self) -> dict[str, float | int | str]:
         """The round plan as the downlink's config entries."""
@@ -67,10 +68,12 @@ class FederationPlan:
     pool_size: int = 0
     sampling: BlockSampling = field(default_factory=BlockSampling)
     first_order_optimizer: str = "adamw"
+    pass_fraction: float = 1.0
 
     @classmethod
-    def from_config(cls, config: FederatedConfig, num_clients: int) -> FederationPlan:
-        """The plan of a configured run over `num_clients` clients (the partition decides how many)."""
+    def from_config(cls, config: FederatedConfig, num_clients: int, pass_fraction: float = 1.0) -> FederationPlan:
+        """The plan of a configured run over `num_clients` clients (the partition decides how many);
+        `pass_fraction` is the share of blocks a perturbed pass runs (the setup's prefix cache knows it)."""
         from zofed.fl.methods import get_method
 
         fed, sampling = config.federation, config.federation.sampling
@@ -82,7 +85,8 @@ class FederationPlan:
             "run_seed": config.train.seed, "queries": config.zo.queries, "batch_size": config.train.batch_size,
             "noise": config.zo.noise, "pool_size": fed.pool_size,
             "sampling": BlockSampling(**sampling.model_dump(exclude={"personalize"})),
-            "first_order_optimizer": fed.first_order_optimizer}
+            "first_order_optimizer": fed.first_order_optimizer,
+            "pass_fraction": 1.0 if method.first_order else pass_fraction}
         return cls(**settings)
 
     def round(self, round_id: int) -> LocalTraining:

@@ -57,6 +57,9 @@ class ZOSection(_Section):
     noise: NoiseKind = "rademacher"
     eps: float = Field(1e-3, gt=0)
     queries: int = Field(1, ge=1)
+    # Run the frozen blocks below the first trainable one once per batch, and only the blocks above for each
+    # perturbed pass (zo/prefix.py): a step then costs (1 - f) + 2 q f forward passes, f the share of blocks run.
+    prefix_cache: bool = False
 
 
 class OptimizerSection(_Section):

@@ -197,7 +197,7 @@ def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Conso
     plot_partition(setup.train_data, [s.train for s in splits], out / "partition.png",
                    title=f"{fed.partition.scheme} (alpha {fed.partition.alpha}), {len(splits)} clients")
 
-    plan = FederationPlan.from_config(config, len(splits))
+    plan = FederationPlan.from_config(config, len(splits), setup.pass_fraction)
     try:
         server = ServerRole(plan, setup.trainable.tensors(), setup.trainable.masks, server_optimizer,
                             make_aggregator(fed.aggregator))

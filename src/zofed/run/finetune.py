@@ -22,6 +22,7 @@ from zofed.run.setup import Setup, build, eval_indices, save_final
 from zofed.zo.noise import derive_seed
 from zofed.zo.optim import OptState, learning_rate, make_optimizer
 from zofed.zo.perturb import Perturbation
+from zofed.zo.prefix import forward_equivalents
 from zofed.zo.step import zo_step
 
 
@@ -65,7 +66,8 @@ def finetune(config: FinetuneConfig, *, resume: bool = False, show_progress: boo
     perturbation = Perturbation(kind=config.zo.noise, masks=setup.trainable.masks)
     watch = eval_indices(config, setup.test)
     steps, every = config.train.steps, config.train.eval_every
-    forward_passes = 2 * config.zo.queries * start
+    step_cost = forward_equivalents(setup.pass_fraction, config.zo.queries)  # full forward passes per step
+    forward_passes = step_cost * start
 
     columns = [TextColumn("[bold]ZO fine-tuning"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                TextColumn("{task.fields[status]}")]
@@ -87,11 +89,13 @@ def finetune(config: FinetuneConfig, *, resume: bool = False, show_progress: boo
         for step in range(start, steps):
             batch = setup.task.collate(setup.train, batch_indices(config, step, len(setup.train)))
             lr = learning_rate(step, config.optimizer.lr, config.optimizer.schedule, steps, config.optimizer.warmup)
+            loss = (setup.task.cached_loss(setup.model, setup.cache, batch) if setup.cache is not None
+                    else lambda b=batch: setup.task.loss(setup.model, b))
             opt_state, record = zo_step(
-                tensors, lambda b=batch: setup.task.loss(setup.model, b), optimizer, opt_state,
+                tensors, loss, optimizer, opt_state,
                 seed=derive_seed(config.train.seed, step), eps=config.zo.eps, lr=lr, queries=config.zo.queries,
                 perturbation=perturbation)
-            forward_passes += 2 * config.zo.queries
+            forward_passes += step_cost
             metrics.write({"step": step + 1, "event": "train", "loss": record.loss, "grads": list(record.grads),
                            "lr": lr, "forward_passes": forward_passes})
             if (step + 1) % every == 0 or step + 1 == steps:

@@ -22,6 +22,7 @@ from zofed.models.registry import load_model
 from zofed.models.selection import TrainableParams, select_trainable
 from zofed.run.checkpoint import find_checkpoint, load_checkpoint
 from zofed.run.config import ConfigError, FinetuneConfig
+from zofed.zo.prefix import PrefixCache, first_trainable_layer
 
 
 @dataclass
@@ -36,6 +37,12 @@ class Setup:
     test: Encoded
     label_names: list[str] | None
     train_data: TextDataset
+    cache: PrefixCache | None = None  # zo.prefix_cache: the frozen bottom runs once per batch
+
+    @property
+    def pass_fraction(self) -> float:
+        """The share of the model's blocks a perturbed pass runs (1.0: the whole model)."""
+        return self.cache.fraction if self.cache is not None else 1.0
 
 
 def load_splits(config: FinetuneConfig) -> tuple[TextDataset, TextDataset]:
@@ -71,7 +78,21 @@ def build(config: FinetuneConfig) -> Setup:
     model, trainable = select_trainable(loaded.model, config.trainable)
     model.eval()
     task = make_task(config.task, loaded.tokenizer, num_classes)
-    return Setup(config, model, trainable, task, task.encode(train), task.encode(test), train.label_names, train)
+    return Setup(config, model, trainable, task, task.encode(train), task.encode(test), train.label_names, train,
+                 prefix_cache(config, model, trainable))
+
+
+def prefix_cache(config: FinetuneConfig, model: torch.nn.Module, trainable: TrainableParams) -> PrefixCache | None:
+    """The split of the model at its first trainable block, when `zo.prefix_cache` asks for one."""
+    if not config.zo.prefix_cache:
+        return None
+    if config.task.type != "prompt-classification":
+        raise ConfigError(f"zo.prefix_cache works with task.type prompt-classification, not {config.task.type}")
+    start = first_trainable_layer(model, trainable.names)
+    if start is None:
+        raise ConfigError("zo.prefix_cache needs a decoder-only model (blocks in `layers`, a final `norm`) whose "
+                          "trainable tensors all lie in its blocks or above them, none in the embeddings")
+    return PrefixCache(model, start)
 
 
 def eval_indices(config: FinetuneConfig, test: Encoded) -> np.ndarray:

@@ -25,6 +25,7 @@ from zofed.fl.plan import LocalTraining
 from zofed.fl.protocol import ClientUpdate, step_seeds
 from zofed.zo.noise import derive_seed
 from zofed.zo.perturb import Perturbation
+from zofed.zo.prefix import forward_equivalents
 from zofed.zo.step import StepRecord
 
 if TYPE_CHECKING:
@@ -87,8 +88,9 @@ class Method:
         return local
 
     def forward_passes(self, local: LocalTraining) -> float:
-        """One client's compute in a round, in forward passes of the full model: two per query and step."""
-        return 2.0 * local.queries * local.local_steps
+        """One client's compute in a round, in forward passes of the full model: two per query and step, or
+        with a cached prefix its frozen bottom once and two passes over the top per query (zo/prefix.py)."""
+        return local.local_steps * forward_equivalents(local.pass_fraction, local.queries)
 
     # --- both sides --------------------------------------------------------------------------------------
     def step_seeds(self, local: LocalTraining, client_id: int) -> StepSeeds:

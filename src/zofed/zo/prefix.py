@@ -1,0 +1,132 @@
+"""Frozen-prefix caching: when every trainable tensor lies in the top layers of a decoder-only model, run the
+frozen bottom once per batch and only the top layers for each perturbed pass.
+
+A ZO step evaluates the loss at x + eps u and x - eps u for the same batch. Layers below the first trainable
+layer see the same weights and the same inputs in both passes, so their output is computed once (the capture
+pass) and every perturbed pass starts from it. With the trainable tensors in the top k of L layers a step of q
+queries costs (L - k) / L + 2 q k / L forward passes of the full model instead of 2 q: the compute a client is
+charged for (`forward_equivalents`), and the reason a step can afford several queries.
+
+The split works on transformers' decoder-only models whose backbone holds its blocks in `layers` and its final
+norm in `norm` (Llama, Mistral, Qwen2, SmolLM2, ...): the capture pass records what the first trainable block
+is called with (hidden states, attention mask, rotary embeddings, positions) and stops; a perturbed pass calls
+the remaining blocks with exactly those arguments, so its output is the full forward's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+class _Captured(Exception):
+    """Raised by the capture hook to stop the forward pass once the first trainable block's inputs are known."""
+
+
+def _backbone(model: torch.nn.Module) -> torch.nn.Module:
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(lm, lm.base_model_prefix)
+
+
+def first_trainable_layer(model: torch.nn.Module, trainable_names: Sequence[str]) -> int | None:
+    """The index of the lowest block holding a trainable tensor; None when the model cannot be split there
+    (no `layers`/`norm` backbone, or a trainable tensor below the blocks, such as the embeddings)."""
+    try:
+        backbone = _backbone(model)
+    except AttributeError:
+        return None
+    if not isinstance(getattr(backbone, "layers", None), torch.nn.ModuleList) or not hasattr(backbone, "norm"):
+        return None
+    indices = []
+    for name in trainable_names:
+        match = _LAYER.search(name)
+        if match:
+            indices.append(int(match.group(1)))
+        elif "embed" in name:  # below every block: nothing can be cached
+            return None
+    return min(indices) if indices else len(backbone.layers)
+
+
+@dataclass
+class Prefix:
+    """What the first trainable block is called with, for one batch."""
+
+    args: tuple
+    kwargs: dict[str, Any]
+
+
+class PrefixCache:
+    """Splits one model's forward pass at block `start`."""
+
+    def __init__(self, model: torch.nn.Module, start: int) -> None:
+        self.backbone = _backbone(model)
+        self.layers = self.backbone.layers
+        if not 0 <= start <= len(self.layers):
+            raise ValueError(f"the model has {len(self.layers)} blocks; cannot start a cached pass at block {start}")
+        self.start = start
+
+    @property
+    def fraction(self) -> float:
+        """The share of the model's blocks a perturbed pass runs."""
+        return (len(self.layers) - self.start) / len(self.layers)
+
+    @torch.no_grad()
+    def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Prefix:
+        """Run the blocks below `start` once (the frozen bottom) and keep what block `start` receives."""
+        if self.start == len(self.layers):
+            return self._capture_at_norm(input_ids, attention_mask)
+        seen: dict[str, Any] = {}
+
+        def hook(module, args, kwargs):
+            seen["args"], seen["kwargs"] = args, dict(kwargs)
+            raise _Captured
+
+        handle = self.layers[self.start].register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)  # no KV cache to grow
+        except _Captured:
+            pass
+        finally:
+            handle.remove()
+        if "args" not in seen:
+            raise RuntimeError(f"the forward pass never reached block {self.start}: cannot cache its prefix")
+        return Prefix(seen["args"], seen["kwargs"])
+
+    def _capture_at_norm(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Prefix:
+        seen: dict[str, Any] = {}
+
+        def hook(module, args):
+            seen["args"] = args
+            raise _Captured
+
+        handle = self.backbone.norm.register_forward_pre_hook(hook)
+        try:
+            self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)  # no KV cache to grow
+        except _Captured:
+            pass
+        finally:
+            handle.remove()
+        return Prefix(seen["args"], {})
+
+    @torch.no_grad()
+    def hidden(self, prefix: Prefix) -> torch.Tensor:
+        """The backbone's last hidden state (after its final norm), running only blocks `start` and above."""
+        kwargs = dict(prefix.kwargs)
+        hidden, rest = (prefix.args[0], prefix.args[1:]) if prefix.args else (kwargs.pop("hidden_states"), ())
+        for layer in self.layers[self.start:]:
+            out = layer(hidden, *rest, **kwargs)
+            hidden = out[0] if isinstance(out, tuple) else out
+        return self.backbone.norm(hidden)
+
+
+def forward_equivalents(fraction: float, queries: int) -> float:
+    """One ZO step's compute in full forward passes: the capture pass over the frozen bottom, then two passes
+    over the top `fraction` of the blocks per query (the embeddings and the head are not counted, as a pass
+    through part of the model counts its share of the blocks)."""
+    return (1.0 - fraction) + 2.0 * queries * fraction

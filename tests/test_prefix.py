@@ -1,0 +1,127 @@
+"""Frozen-prefix caching: the perturbed passes run only the trainable top blocks and give the full loss."""
+
+import numpy as np
+import pytest
+import torch
+from toy_federation import WORDS
+
+from zofed.data.sources import TextDataset
+from zofed.data.tasks import TaskConfig, make_task
+from zofed.models.selection import TrainableConfig, select_trainable
+from zofed.models.tiny import tiny_causal_lm
+from zofed.zo.optim import MeZO
+from zofed.zo.perturb import Perturbation, add_directions_
+from zofed.zo.prefix import PrefixCache, first_trainable_layer, forward_equivalents
+from zofed.zo.step import zo_step
+
+TOP_GAINS = [r"layers\.[23]\..*norm\.weight$", r"^model\.norm\.weight$"]
+
+
+def _setup(patterns=TOP_GAINS, mode="patterns"):
+    tiny = tiny_causal_lm(seed=0, num_layers=4)
+    model, trainable = select_trainable(tiny.model, TrainableConfig(mode=mode, patterns=patterns, lora_r=2))
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 2, size=24)
+    texts = [f"the movie was {WORDS[2 * (1 - y) + int(rng.integers(2))]} " + "w1 " * int(rng.integers(0, 5))
+             for y in labels]  # rows of different lengths: the attention mask matters
+    data = TextDataset([{"text": t} for t in texts], labels.tolist(), ["negative", "positive"], "toy")
+    task = make_task(TaskConfig(template="{text} sentiment :", verbalizer=["negative", "positive"]), tiny.tokenizer, 2)
+    batch = task.collate(task.encode(data), list(range(24)))
+    return model, trainable, task, batch
+
+
+def test_the_cached_loss_is_the_full_loss_bit_for_bit_at_perturbed_weights():
+    model, trainable, task, batch = _setup()
+    start = first_trainable_layer(model, trainable.names)
+    assert start == 2
+    cache = PrefixCache(model, start)
+    cached = task.cached_loss(model, cache, batch)
+    for seed in range(3):
+        add_directions_(trainable.tensors(), [(seed, 0.05)], Perturbation())
+        assert cached() == task.loss(model, batch)
+
+
+def test_a_zo_step_on_the_cached_loss_is_the_step_on_the_full_loss():
+    runs = []
+    for use_cache in (False, True):
+        model, trainable, task, batch = _setup()
+        tensors = trainable.tensors()
+        loss = task.cached_loss(model, PrefixCache(model, 2), batch) if use_cache else (
+            lambda: task.loss(model, batch))
+        state = MeZO().init(tensors)
+        records = []
+        for seed in range(3):
+            state, record = zo_step(tensors, loss, MeZO(), state, seed=seed, eps=1e-2, lr=1e-2)
+            records.append(record.grads)
+        runs.append((records, [t.clone() for t in tensors]))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1], strict=True))
+
+
+def test_where_a_model_can_be_split_and_what_a_step_costs():
+    model, trainable, _, _ = _setup(patterns=[r"^model\.norm\.weight$"])
+    assert first_trainable_layer(model, trainable.names) == 4  # only the final norm: every block is frozen
+    assert PrefixCache(model, 4).fraction == 0.0
+    model, trainable, _, _ = _setup(patterns=[r"embed_tokens", r"layers\.3\..*norm\.weight$"])
+    assert first_trainable_layer(model, trainable.names) is None  # the embeddings sit below every block
+    model, trainable, _, _ = _setup(mode="lora")  # LoRA on every block's q and v
+    assert first_trainable_layer(model, trainable.names) == 0
+    assert forward_equivalents(0.25, 4) == pytest.approx(0.75 + 2.0)  # 2.75 instead of 8
+    assert forward_equivalents(1.0, 1) == 2.0
+    with pytest.raises(ValueError, match="4 blocks"):
+        PrefixCache(model, 5)
+
+
+def test_the_cached_loss_with_only_the_final_norm_trainable_matches_too():
+    model, trainable, task, batch = _setup(patterns=[r"^model\.norm\.weight$"])
+    cached = task.cached_loss(model, PrefixCache(model, 4), batch)
+    add_directions_(trainable.tensors(), [(3, 0.1)], Perturbation())
+    assert cached() == task.loss(model, batch)
+
+
+def test_a_federated_and_a_centralized_run_with_the_cache_end_where_they_do_without_it(tiny_workspace, tmp_path):
+    """The cached loss is the full loss, so a run with `zo.prefix_cache` ends bit-identical to one without; it is
+    charged (1 - f) + 2 q f forward passes a step instead of 2 q (here f = 1/2: the top block of two)."""
+    from safetensors.torch import load_file
+    from toy_federation import tiny_federated_config
+
+    from zofed.run.config import FinetuneConfig, load_config
+    from zofed.run.federated import run_federated
+    from zofed.run.finetune import finetune
+
+    top = ["trainable.mode=patterns", "trainable.patterns=['layers\\.1\\..*norm\\.weight$']",
+           "federation.method=zo-seeds"]
+    results = {}
+    for cached in (False, True):
+        out = tmp_path / f"fed-{cached}"
+        results[cached] = run_federated(tiny_federated_config(tiny_workspace, out, *top,
+                                                              f"zo.prefix_cache={str(cached).lower()}"),
+                                        show_progress=False)
+        results[cached]["final"] = load_file(str(out / "final" / "trainable.safetensors"))
+    assert all(torch.equal(results[False]["final"][k], results[True]["final"][k]) for k in results[True]["final"])
+    assert results[False]["forward_passes_per_client_round"] == 2 * 2  # 2 local steps of 2 passes
+    assert results[True]["forward_passes_per_client_round"] == 2 * (0.5 + 2 * 0.5)
+
+    base = [f"model.name={tiny_workspace / 'model'}", f"data.source={tiny_workspace / 'train.jsonl'}",
+            f"data.test_source={tiny_workspace / 'test.jsonl'}", "task.template='review : {text} . sentiment :'",
+            "task.verbalizer=[negative, positive]", "train.steps=4", "train.batch_size=8", "zo.eps=0.01",
+            "optimizer.lr=0.02", "trainable.mode=patterns", "trainable.patterns=['layers\\.1\\..*norm\\.weight$']"]
+    central = {}
+    for cached in (False, True):
+        config = load_config(None, [*base, f"out_dir={tmp_path / f'c-{cached}'}",
+                                    f"zo.prefix_cache={str(cached).lower()}"], schema=FinetuneConfig)
+        central[cached] = finetune(config, show_progress=False)
+    assert central[False]["test"] == central[True]["test"]
+    assert (central[False]["forward_passes"], central[True]["forward_passes"]) == (4 * 2, 4 * 1.5)
+
+
+def test_the_cache_is_refused_where_the_model_cannot_be_split(tiny_workspace, tmp_path):
+    from toy_federation import tiny_federated_config
+
+    from zofed.run.config import ConfigError
+    from zofed.run.federated import run_federated
+
+    with pytest.raises(ConfigError, match="none in the embeddings"):
+        run_federated(tiny_federated_config(tiny_workspace, tmp_path / "x", "trainable.mode=patterns",
+                                            "trainable.patterns=[embed_tokens]", "zo.prefix_cache=true"),
+                      show_progress=False)
