@@ -66,3 +66,27 @@ def test_a_dumped_federated_config_loads_again_and_resumes(tmp_path):
     check_resumed_config(cfg, tmp_path / "config.yaml")
     # a default value set explicitly is no different from a dumped one
     assert load_config(None, ["train.steps=200"], schema=FederatedConfig).train.steps == 200
+
+
+def test_a_validation_split_is_carved_from_training_data_and_can_stand_in_for_the_test(tiny_workspace, tmp_path):
+    """data.validation_examples holds out a seeded split of the training data; evaluate_on: validation makes every
+    evaluation read it, so a setting is tuned without the test split."""
+    from zofed.run.config import ConfigError, FinetuneConfig
+    from zofed.run.setup import load_splits
+
+    base = [f"model.name={tiny_workspace / 'model'}", f"data.source={tiny_workspace / 'train.jsonl'}",
+            f"data.test_source={tiny_workspace / 'test.jsonl'}"]
+    plain_train, plain_test = load_splits(load_config(None, base, schema=FinetuneConfig))
+    train, test = load_splits(load_config(None, [*base, "data.validation_examples=40"], schema=FinetuneConfig))
+    assert len(train) == len(plain_train) - 40 and len(test) == len(plain_test)
+    train2, validation = load_splits(load_config(None, [*base, "data.validation_examples=40",
+                                                        "data.evaluate_on=validation"], schema=FinetuneConfig))
+    from collections import Counter
+
+    def texts(data):
+        return Counter(f["text"] for f in data.fields)
+
+    assert len(validation) == 40 and texts(validation) + texts(train2) == texts(plain_train)  # a partition of train
+    assert [f["text"] for f in train2.fields] == [f["text"] for f in train.fields]  # the same carve both times
+    with pytest.raises(ConfigError, match="needs data.validation_examples"):
+        load_config(None, [*base, "data.evaluate_on=validation"], schema=FinetuneConfig)

@@ -16,6 +16,7 @@ here, with a tag no other stream can take:
 | FedKSeed pool           | derive_seed(run seed, KSEED_POOL + j)           | the K candidate seeds                 |
 | block draw              | derive_seed(step seed, BLOCK_DRAW)              | zofed's block of a step               |
 | held-out split          | run seed                                        | a test fifth of a file with no test   |
+| validation split        | [run seed, VALIDATION]                          | data.validation_examples, held out    |
 | training cap            | run seed                                        | data.train_examples' subset           |
 | test cap                | run seed + 1                                    | data.test_examples' subset            |
 | watched test subset     | run seed + 2                                    | data.eval_examples, evaluated per round|
@@ -34,6 +35,7 @@ CLIENT_SAMPLING = 11  # third entry of [run seed, round, tag]: no other stream h
 KSEED_PICKS = 2**32 + 7  # second entry: above every round index, so never a local batch's stream
 SHARED_OWNER = 2**32 - 1  # the owner slot of step seeds that every client of a round shares
 KSEED_POOL = 2**40  # derive_seed slot offset of FedKSeed's pool seeds
+VALIDATION = 2**32 + 13  # second entry of the validation split's stream
 BLOCK_DRAW = 2**41  # derive_seed slot of zofed's block draw, apart from the noise's own use of a step seed
 
 
@@ -55,6 +57,10 @@ def centralized_batch(seed: int, step: int) -> np.random.Generator:
 
 def held_out_split(seed: int) -> np.random.Generator:
     return np.random.default_rng(seed)
+
+
+def validation_split(seed: int) -> np.random.Generator:
+    return np.random.default_rng([seed, VALIDATION])
 
 
 def training_cap(seed: int) -> np.random.Generator:

@@ -51,6 +51,18 @@ class DataSection(_Section):
     train_examples: int | None = Field(None, ge=1)  # cap on training examples (seeded subset)
     eval_examples: int = Field(300, ge=1)  # fixed test subset evaluated during training
     test_examples: int | None = Field(None, ge=1)  # cap on the final test evaluation
+    # A seeded validation split carved from the training data (held out from training); with evaluate_on:
+    # validation every evaluation, the curves' and the final one, reads it instead of the test split, so
+    # settings can be tuned without looking at the test data.
+    validation_examples: int | None = Field(None, ge=1)
+    evaluate_on: Literal["test", "validation"] = "test"
+
+    @model_validator(mode="after")
+    def _validation_exists(self) -> DataSection:
+        if self.evaluate_on == "validation" and self.validation_examples is None:
+            raise ValueError("evaluate_on: validation needs data.validation_examples (the split carved from "
+                             "the training data)")
+        return self
 
 
 class ZOSection(_Section):

@@ -61,6 +61,15 @@ def load_splits(config: FinetuneConfig) -> tuple[TextDataset, TextDataset]:
             test = load_dataset_spec(data.test_source, **options)
         else:  # no test file given: hold out a seeded fifth of the training file
             train, test = train.train_test_split(0.2, seed)
+    if data.validation_examples is not None:
+        if data.validation_examples >= len(train):
+            raise ConfigError(f"data.validation_examples={data.validation_examples} leaves nothing of the "
+                              f"{len(train)} training examples to train on")
+        perm = streams.validation_split(seed).permutation(len(train))
+        validation = train.subset(np.sort(perm[: data.validation_examples]))
+        train = train.subset(np.sort(perm[data.validation_examples:]))
+        if data.evaluate_on == "validation":
+            test = validation
     if data.train_examples is not None and data.train_examples < len(train):
         train = train.subset(streams.training_cap(seed).permutation(len(train))[: data.train_examples])
     if data.test_examples is not None and data.test_examples < len(test):
