@@ -47,7 +47,7 @@ def test_a_zo_step_on_the_cached_loss_is_the_step_on_the_full_loss():
         model, trainable, task, batch = _setup()
         tensors = trainable.tensors()
         loss = task.cached_loss(model, PrefixCache(model, 2), batch) if use_cache else (
-            lambda: task.loss(model, batch))
+            lambda task=task, model=model, batch=batch: task.loss(model, batch))
         state = MeZO().init(tensors)
         records = []
         for seed in range(3):
