@@ -35,7 +35,7 @@ from zofed.zo.prefix import forward_equivalents
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
-VALIDATION = 500  # examples carved from the training data
+VALIDATION = 400  # examples carved from the training data
 TASKS = {
     "sst2": ["task.template='Review: {text} Sentiment:'", "task.verbalizer=[' negative', ' positive']"],
     "agnews": ["task.template='Article: {text} Topic:'",
@@ -65,7 +65,7 @@ def _config(dataset: str, setting: str, lr: float, seed: int, out: Path) -> Fine
                               f"data.source=shared:{dataset}", f"train.seed={seed}", f"out_dir={out}"])
 
 
-def run_row(dataset: str, setting: str, lr: float, seed: int, budget: int) -> dict:
+def run_row(dataset: str, setting: str, lr: float, seed: int, budget: int, points: int = 4) -> dict:
     out = ROOT / "runs" / "bench" / "calibrate" / f"{dataset}-{setting}-lr{lr:g}-s{seed}-b{budget}"
     config = _config(dataset, setting, lr, seed, out)
     setup = build(config)
@@ -74,7 +74,7 @@ def run_row(dataset: str, setting: str, lr: float, seed: int, budget: int) -> di
     setup.train, setup.test = setup.task.encode(fit), setup.task.encode(validation)
     step_cost = forward_equivalents(setup.pass_fraction, config.zo.queries)  # known once the model is split
     steps = int(budget // step_cost)
-    every = max(1, int(round(budget / 8 / step_cost)))  # about eight points on the curve
+    every = max(1, int(round(budget / points / step_cost)))  # `points` evaluations along the curve
     config = config.model_copy(update={"train": config.train.model_copy(update={
         "steps": steps, "eval_every": every, "checkpoint_every": every})})
     setup.config = config
@@ -89,9 +89,9 @@ def run_row(dataset: str, setting: str, lr: float, seed: int, budget: int) -> di
             "train_seconds": round(results["train_seconds"], 1), "run_dir": str(out.relative_to(ROOT))}
 
 
-def _row_process(args: tuple, threads: int) -> dict:
+def _row_process(args: tuple, threads: int, points: int) -> dict:
     torch.set_num_threads(threads)
-    return {**run_row(*args), "torch_threads": threads}
+    return {**run_row(*args, points=points), "torch_threads": threads}
 
 
 def reached(curve: list[list[float]], target: float) -> float | None:
@@ -145,6 +145,10 @@ def main() -> None:
     parser.add_argument("--settings", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--seeds", type=int, nargs="*", default=[0])
     parser.add_argument("--budget", type=int, default=800, help="forward-pass equivalents per run")
+    parser.add_argument("--points", type=int, default=4, help="evaluations along each curve (each costs a pass "
+                        f"over the {VALIDATION} validation examples)")
+    parser.add_argument("--only", nargs="*", metavar="SETTING:LR",
+                        help="run just these (setting, lr) pairs, e.g. dense-gains:3e-4 top4-cached-q4:1e-3")
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--table-only", action="store_true", help="rewrite the page from the JSON; run nothing")
@@ -160,12 +164,14 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     table["meta"] = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
                      "settings": SETTINGS, "common": COMMON}
-    pending = [(d, s, lr, seed, args.budget) for d in args.datasets for s in args.settings for lr in LRS[s]
+    pairs = [(p.split(":")[0], float(p.split(":")[1])) for p in args.only] if args.only else [
+        (s, lr) for s in args.settings for lr in LRS[s]]
+    pending = [(d, s, lr, seed, args.budget) for d in args.datasets for s, lr in pairs
                for seed in args.seeds if row_key(d, s, lr, seed, args.budget) not in table["rows"]]
     print(f"{len(pending)} rows to run, {args.jobs} at a time", flush=True)
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(args.jobs, mp_context=context, max_tasks_per_child=1) as pool:
-        futures = {pool.submit(_row_process, p, args.threads): row_key(*p) for p in pending}
+        futures = {pool.submit(_row_process, p, args.threads, args.points): row_key(*p) for p in pending}
         for future in as_completed(futures):
             if future.exception() is not None:
                 print(f"row {futures[future]} failed: {future.exception()!r}", file=sys.stderr, flush=True)
