@@ -197,3 +197,24 @@ def test_plot_partition_writes_a_png(tmp_path):
     assert out == tmp_path / "sub" / "parts.png"
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert out.stat().st_size > 1000
+
+
+def test_dirichlet_mix_gives_every_client_its_share_with_strong_label_skew():
+    """50 clients at alpha 0.1 on two classes: the per-class split leaves clients empty, the per-client label mix
+    gives each n/K examples, most of them from one class, and covers every example once."""
+    from zofed.data.partition import PartitionConfig, PartitionError, partition
+    from zofed.data.sources import TextDataset
+
+    labels = [i % 2 for i in range(1000)]
+    data = TextDataset([{"text": str(i)} for i in range(1000)], labels, ["a", "b"], "toy")
+    with pytest.raises(PartitionError, match="no examples"):
+        partition(data, PartitionConfig(scheme="dirichlet", num_clients=50, alpha=0.1))
+    parts = partition(data, PartitionConfig(scheme="dirichlet-mix", num_clients=50, alpha=0.1))
+    assert sorted(len(p) for p in parts) == [20] * 50
+    assert sorted(np.concatenate(parts).tolist()) == list(range(1000))
+    majority = [max(np.bincount(np.asarray(labels)[p], minlength=2)) / len(p) for p in parts]
+    assert np.median(majority) > 0.9  # alpha 0.1: most clients hold (nearly) one class
+    mild = partition(data, PartitionConfig(scheme="dirichlet-mix", num_clients=50, alpha=100.0))
+    assert np.median([max(np.bincount(np.asarray(labels)[p], minlength=2)) / len(p) for p in mild]) < 0.7
+    again = partition(data, PartitionConfig(scheme="dirichlet-mix", num_clients=50, alpha=0.1))
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again, strict=True))

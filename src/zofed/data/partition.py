@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .sources import TextDataset
 
-Scheme = Literal["iid", "dirichlet", "pathological", "quantity", "natural"]
+Scheme = Literal["iid", "dirichlet", "dirichlet-mix", "pathological", "quantity", "natural"]
 MAX_DRAWS = 100  # Dirichlet redraws before giving up on min_size
 MAX_TABLE_ROWS = 20
 _MAX_LABEL_COLUMNS = 8  # wider label sets get a "classes" column instead of one column per label
@@ -32,8 +32,10 @@ class PartitionError(ValueError):
 class PartitionConfig(BaseModel):
     """How to split a data set among clients (validated: unknown keys and out-of-range values are rejected).
 
-    ``alpha`` is the Dirichlet concentration: over clients per class for "dirichlet" (label skew), over
-    client sizes for "quantity"; small alpha means strong skew. "natural" makes one client per distinct
+    ``alpha`` is the Dirichlet concentration: over clients per class for "dirichlet" (label skew, Hsu et al.), over
+    each client's label mix for "dirichlet-mix" (label skew with equal client sizes: every client gets examples
+    however many clients and however small alpha, where "dirichlet" leaves clients empty), over client sizes for
+    "quantity"; small alpha means strong skew. "natural" makes one client per distinct
     value of ``fields[i][column]`` and ignores ``num_clients``: read the client count from the result.
     """
 
@@ -89,6 +91,8 @@ def partition(data: TextDataset, config: PartitionConfig) -> list[np.ndarray]:
         elif config.scheme == "dirichlet":
             labels = _labels(data, "dirichlet")
             parts = _redraw(lambda: _dirichlet_once(labels, config.num_clients, config.alpha, rng), data, config)
+        elif config.scheme == "dirichlet-mix":
+            parts = _dirichlet_mix(_labels(data, "dirichlet-mix"), config.num_clients, config.alpha, rng)
         elif config.scheme == "pathological":
             parts = _pathological(_labels(data, "pathological"), config, rng)
         else:  # quantity
@@ -116,6 +120,31 @@ def _dirichlet_once(labels: np.ndarray, k: int, alpha: float, rng: np.random.Gen
         for client, piece in enumerate(np.split(idx, cuts)):
             chunks[client].append(piece)
     return [np.concatenate(c) for c in chunks]
+
+
+def _dirichlet_mix(labels: np.ndarray, k: int, alpha: float, rng: np.random.Generator) -> list[np.ndarray]:
+    """Each client draws its label mix q ~ Dir(alpha * 1_C) and takes n/K examples by it from the shuffled class
+    pools; what an emptied pool cannot give is taken from the others in proportion to q (then to what is left)."""
+    classes = np.unique(labels)
+    pools = [list(rng.permutation(np.flatnonzero(labels == c))) for c in classes]
+    sizes = [len(p) for p in np.array_split(np.arange(len(labels)), k)]
+    parts = []
+    for size in sizes:
+        q = rng.dirichlet(np.full(len(classes), alpha))
+        want = rng.multinomial(size, q)
+        left = np.array([len(p) for p in pools])
+        take = np.minimum(want, left)
+        while take.sum() < size:  # an exhausted class: give its share to classes that still have examples
+            room = left - take
+            weights = np.where(room > 0, q + 1e-12, 0.0)
+            extra = rng.multinomial(size - take.sum(), weights / weights.sum())
+            take = np.minimum(take + extra, left)
+        part = []
+        for c, count in enumerate(take):
+            part += pools[c][:count]
+            pools[c] = pools[c][count:]
+        parts.append(np.asarray(part, dtype=np.int64))
+    return parts
 
 
 def _quantity_once(n: int, k: int, alpha: float, rng: np.random.Generator) -> list[np.ndarray]:
