@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo demo-centralized test lint bench-zo-step bench-centralized bench-scale bench-federated bench-flower bench-client-memory
+.PHONY: setup demo demo-centralized test lint bench-zo-step bench-centralized bench-scale bench-federated bench-flower bench-client-memory bench-calibrate bench-ranking
 
 setup:
 	@bash scripts/setup_env.sh
@@ -42,3 +42,9 @@ bench-flower: setup
 
 bench-client-memory: setup
 	$(PY) benchmarks/client_memory.py
+
+bench-calibrate: setup
+	$(PY) benchmarks/calibrate.py
+
+bench-ranking: setup
+	$(PY) benchmarks/ranking.py --phase tune
