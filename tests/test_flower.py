@@ -55,7 +55,8 @@ def test_flower_simulation_gives_the_in_process_model_bit_for_bit(tiny_workspace
     flower = json.loads((tmp_path / "flower" / "results.json").read_text())
     a, b = _final(tmp_path / "inprocess"), _final(tmp_path / "flower")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert all(a[k].abs().sum() > 0 for k in a if "lora_B" in k)  # trained: LoRA B starts at zero
+    # trained: LoRA B starts at zero (zofed moves one block a step, so 8 steps need not reach every one of them)
+    assert sum(bool(a[k].abs().sum() > 0) for k in a if "lora_B" in k) >= 2
     assert flower["test"] == inproc["test"] and flower["backend"] == "flower"
     assert flower["bytes_up_per_client_round"] == inproc["bytes_up_per_client_round"] < 400
     for x, y in zip(_rounds(tmp_path / "inprocess"), _rounds(tmp_path / "flower"), strict=True):
