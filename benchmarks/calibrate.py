@@ -113,8 +113,8 @@ def write_report(rows: list[dict]) -> None:
         best = max(acc for _, acc in r["curve"])
         hit = reached(r["curve"], r["zero_shot"] + 0.05)
         lines.append(f"| {r['dataset']} | {r['setting']} | {r['lr']:g} | {r['seed']} | {r['trainable_parameters']:,} "
-                     f"| {r['forward_passes_per_step']} | {r['budget']} | {r['zero_shot']:.4f} | {best:.4f} "
-                     f"| {hit if hit is not None else 'not reached'} | {r['final']:.4f} |")
+                     f"| {r['forward_passes_per_step']:.2f} | {r['budget']} | {r['zero_shot']:.4f} | {best:.4f} "
+                     f"| {f'{hit:.0f}' if hit is not None else 'not reached'} | {r['final']:.4f} |")
     lines += ["", "## What the rows say", ""]
     for dataset in sorted({r["dataset"] for r in rows}):
         same = [r for r in rows if r["dataset"] == dataset]
@@ -123,7 +123,7 @@ def write_report(rows: list[dict]) -> None:
         hit = reached(best["curve"], best["zero_shot"] + 0.05)
         lines.append(f"- {dataset}: the best row ({best['setting']}, lr {best['lr']:g}) gains {gain:+.1f} points over "
                      f"zero-shot within {best['budget']} forward passes"
-                     + (f", and first reaches +5 points at {hit:g}." if hit is not None else "; +5 is not reached."))
+                     + (f", and first reaches +5 points at {hit:.0f}." if hit is not None else "; +5 is not reached."))
     fig = Figure(figsize=(5 * max(1, len({r["dataset"] for r in rows})), 4))
     datasets = sorted({r["dataset"] for r in rows})
     axes = fig.subplots(1, len(datasets), squeeze=False)[0]
