@@ -78,18 +78,18 @@ class PrefixCache:
 
     @torch.no_grad()
     def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Prefix:
-        """Run the blocks below `start` once (the frozen bottom) and keep what block `start` receives."""
-        if self.start == len(self.layers):
-            return self._capture_at_norm(input_ids, attention_mask)
+        """Run the blocks below `start` once (the frozen bottom) and keep what block `start` receives (the final
+        norm, when every block is frozen)."""
+        target = self.layers[self.start] if self.start < len(self.layers) else self.backbone.norm
         seen: dict[str, Any] = {}
 
         def hook(module, args, kwargs):
             seen["args"], seen["kwargs"] = args, dict(kwargs)
             raise _Captured
 
-        handle = self.layers[self.start].register_forward_pre_hook(hook, with_kwargs=True)
-        try:
-            self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)  # no KV cache to grow
+        handle = target.register_forward_pre_hook(hook, with_kwargs=True)
+        try:  # no KV cache: it would grow with every rerun of the top blocks
+            self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         except _Captured:
             pass
         finally:
@@ -97,22 +97,6 @@ class PrefixCache:
         if "args" not in seen:
             raise RuntimeError(f"the forward pass never reached block {self.start}: cannot cache its prefix")
         return Prefix(seen["args"], seen["kwargs"])
-
-    def _capture_at_norm(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Prefix:
-        seen: dict[str, Any] = {}
-
-        def hook(module, args):
-            seen["args"] = args
-            raise _Captured
-
-        handle = self.backbone.norm.register_forward_pre_hook(hook)
-        try:
-            self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)  # no KV cache to grow
-        except _Captured:
-            pass
-        finally:
-            handle.remove()
-        return Prefix(seen["args"], {})
 
     @torch.no_grad()
     def hidden(self, prefix: Prefix) -> torch.Tensor:
