@@ -1,10 +1,11 @@
 """Aggregators: how the round's accepted client updates become one pseudo-gradient for the server optimizer.
 
-An aggregator is an `init`/`update` pair with explicit state (optax's habit), chosen by one config field
-(`federation.aggregator`). Each client's update reaches it as a `Contribution`: its example weight and either
-its dense update or its directions (perturbations with (seed, coefficient) terms), so an aggregator that only
-needs the weighted sum never rebuilds one client's update densely, and one that needs each client's update
-(a median, a clipped mean) can rebuild it with `Contribution.rebuild`.
+An aggregator is an `init`/`update` pair with explicit state (optax's habit; a dict of named tensors, saved with
+the server's checkpoint), chosen by one config field (`federation.aggregator`). Each client's update reaches it
+as a `Contribution`: its example weight and either its dense update or its directions (perturbations with
+(seed, coefficient) terms), so an aggregator that only needs the weighted sum never rebuilds one client's update
+densely, and one that needs each client's update (a median, a clipped mean) can rebuild it with
+`Contribution.rebuild`.
 """
 
 from __future__ import annotations

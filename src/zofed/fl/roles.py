@@ -92,6 +92,8 @@ class ServerRole:
         state = {"server_optimizer": self.opt_state.to_tensors()}
         if self.method_state is not None:
             state["method"] = self.method_state.to_tensors()
+        if self.agg_state:  # an aggregator with memory across rounds keeps named tensors (the mean has none)
+            state["aggregator"] = dict(self.agg_state)
         return state
 
     def load_state(self, tensors: Sequence[torch.Tensor], state: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -99,6 +101,7 @@ class ServerRole:
         self.opt_state = OptState.from_tensors(state["server_optimizer"])
         if self.method_state is not None:
             self.method_state.load_tensors(state["method"])
+        self.agg_state = dict(state.get("aggregator", self.aggregator.init()))
 
 
 class ClientRole:
