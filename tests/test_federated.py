@@ -186,3 +186,16 @@ def test_fedkseed_picks_are_not_the_stream_of_any_local_batch():
     from zofed.fl.methods import kseed_pool
 
     assert pool == [int(kseed_pool(3, 64)[i]) for i in picks]
+
+
+def test_a_forward_estimator_client_is_rebuilt_exactly_and_charged_q_plus_one_passes():
+    from dataclasses import replace
+
+    ctx = toy_context()
+    start = [t.clone() for t in ctx.trainable.tensors()]
+    plan = replace(_plan("zo-seeds"), queries=3, estimator="forward")
+    update, final = run_client(ctx, start, 1, toy_clients()[1], plan)
+    client_delta = torch.cat([(f - s).reshape(-1) for f, s in zip(final, start, strict=True)])
+    server_delta = torch.cat([r.reshape(-1) for r in rebuild(start, update, plan)])
+    assert client_delta.norm() > 0 and torch.equal(server_delta, client_delta)
+    assert get_method("zo-seeds").forward_passes(plan) == 3 * (3 + 1)  # 3 steps of q + 1 passes

@@ -221,3 +221,37 @@ def test_steps_from_a_clean_copy_are_bit_identical_to_their_replay(name, queries
     replay_steps(start, records, opt, replay_state, [1e-3] * 4)
     assert all(torch.equal(t, c) for t, c in zip(tensors, clean, strict=True))
     assert all(torch.equal(t, s) for t, s in zip(tensors, start, strict=True))
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_the_forward_estimator_shares_one_centre_pass_and_restores_the_weights(exact):
+    """q one-sided queries around one centre: q + 1 loss evaluations instead of 2 q, each scalar is
+    (L(x + eps u) - L(x)) / eps, and with lr 0 the weights come back (exactly from a clean copy)."""
+    from zofed.zo.optim import MeZO
+    from zofed.zo.perturb import Perturbation, add_directions_
+    from zofed.zo.prefix import forward_equivalents
+
+    gen = torch.Generator().manual_seed(0)
+    target = [torch.randn(300, generator=gen), torch.randn(40, generator=gen)]
+    x = [torch.zeros(300), torch.zeros(40)]
+    calls = []
+
+    def loss() -> float:
+        calls.append(1)
+        return float(sum(((a - b) ** 2).sum() for a, b in zip(x, target, strict=True)))
+
+    start = [t.clone() for t in x]
+    clean = [t.clone() for t in x] if exact else None
+    state, record = zo_step(x, loss, MeZO(), MeZO().init(x), seed=3, eps=1e-2, lr=0.0, queries=3, clean=clean,
+                            estimator="forward")
+    assert len(calls) == 3 + 1 and forward_equivalents(1.0, 3, "forward") == 4.0
+    for t, s in zip(x, start, strict=True):
+        assert torch.equal(t, s) if exact else torch.allclose(t, s, atol=1e-6)
+    centre = float(sum((b ** 2).sum() for b in target))
+    for j, g in enumerate(record.grads):
+        probe = [t.clone() for t in start]
+        add_directions_(probe, [(record.query_seeds()[j], 1e-2)], Perturbation())
+        plus = float(sum(((a - b) ** 2).sum() for a, b in zip(probe, target, strict=True)))
+        assert g == pytest.approx((plus - centre) / 1e-2, rel=1e-4)
+    with pytest.raises(ValueError, match="unknown ZO estimator"):
+        zo_step(x, loss, MeZO(), MeZO().init(x), seed=3, eps=1e-2, lr=0.0, estimator="backward")

@@ -91,7 +91,7 @@ def run_zo_client(ctx: ClientContext, start: Sequence[torch.Tensor], client_id: 
         loss = (ctx.task.cached_loss(ctx.model, cache, batch) if cache is not None
                 else lambda b=batch: ctx.task.loss(ctx.model, b))
         state, record = zo_step(tensors, loss, optimizer, state, seed=seed, eps=local.eps, lr=local.lr,
-                                queries=local.queries, perturbation=pert, clean=clean)
+                                queries=local.queries, perturbation=pert, clean=clean, estimator=local.estimator)
         grads.append(record.grads)
         losses.append(record.loss)
     metrics = {"train_loss": float(np.mean(losses))}

@@ -34,6 +34,7 @@ class LocalTraining:
     blocks: int = 0  # zofed: how many blocks the trainable tensors are cut into (0: one per tensor)
     shared_seeds: int = 0  # zofed: 1 when the round's clients share their step seeds
     pass_fraction: float = 1.0  # share of the model's blocks a perturbed pass runs (below 1: prefix caching)
+    estimator: str = "central"  # the two-point estimate of every step (zo/step.py)
 
     def to_config(self) -> dict[str, float | int | str]:
         """The round plan as the downlink's config entries."""
@@ -69,6 +70,7 @@ class FederationPlan:
     sampling: BlockSampling = field(default_factory=BlockSampling)
     first_order_optimizer: str = "adamw"
     pass_fraction: float = 1.0
+    estimator: str = "central"
 
     @classmethod
     def from_config(cls, config: FederatedConfig, num_clients: int, pass_fraction: float = 1.0) -> FederationPlan:
@@ -86,7 +88,7 @@ class FederationPlan:
             "noise": config.zo.noise, "pool_size": fed.pool_size,
             "sampling": BlockSampling(**sampling.model_dump(exclude={"personalize"})),
             "first_order_optimizer": fed.first_order_optimizer,
-            "pass_fraction": 1.0 if method.first_order else pass_fraction}
+            "pass_fraction": 1.0 if method.first_order else pass_fraction, "estimator": config.zo.estimator}
         return cls(**settings)
 
     def round(self, round_id: int) -> LocalTraining:

@@ -69,6 +69,9 @@ class ZOSection(_Section):
     noise: NoiseKind = "rademacher"
     eps: float = Field(1e-3, gt=0)
     queries: int = Field(1, ge=1)
+    # central: (L(x+eps u) - L(x-eps u)) / 2 eps, 2 q passes a step; forward: (L(x+eps u) - L(x)) / eps around one
+    # shared centre pass, q + 1 passes (biased, cheaper for many queries)
+    estimator: Literal["central", "forward"] = "central"
     # Run the frozen blocks below the first trainable one once per batch, and only the blocks above for each
     # perturbed pass (zo/prefix.py): a step then costs (1 - f) + 2 q f forward passes, f the share of blocks run.
     prefix_cache: bool = False

@@ -66,7 +66,7 @@ def finetune(config: FinetuneConfig, *, resume: bool = False, show_progress: boo
     perturbation = Perturbation(kind=config.zo.noise, masks=setup.trainable.masks)
     watch = eval_indices(config, setup.test)
     steps, every = config.train.steps, config.train.eval_every
-    step_cost = forward_equivalents(setup.pass_fraction, config.zo.queries)  # full forward passes per step
+    step_cost = forward_equivalents(setup.pass_fraction, config.zo.queries, config.zo.estimator)  # per step
     forward_passes = step_cost * start
 
     columns = [TextColumn("[bold]ZO fine-tuning"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
@@ -94,7 +94,7 @@ def finetune(config: FinetuneConfig, *, resume: bool = False, show_progress: boo
             opt_state, record = zo_step(
                 tensors, loss, optimizer, opt_state,
                 seed=derive_seed(config.train.seed, step), eps=config.zo.eps, lr=lr, queries=config.zo.queries,
-                perturbation=perturbation)
+                perturbation=perturbation, estimator=config.zo.estimator)
             forward_passes += step_cost
             metrics.write({"step": step + 1, "event": "train", "loss": record.loss, "grads": list(record.grads),
                            "lr": lr, "forward_passes": forward_passes})

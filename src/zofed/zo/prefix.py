@@ -109,8 +109,10 @@ class PrefixCache:
         return self.backbone.norm(hidden)
 
 
-def forward_equivalents(fraction: float, queries: int) -> float:
-    """One ZO step's compute in full forward passes: the capture pass over the frozen bottom, then two passes
-    over the top `fraction` of the blocks per query (the embeddings and the head are not counted, as a pass
-    through part of the model counts its share of the blocks)."""
-    return (1.0 - fraction) + 2.0 * queries * fraction
+def forward_equivalents(fraction: float, queries: int, estimator: str = "central") -> float:
+    """One ZO step's compute in full forward passes: the capture pass over the frozen bottom, then passes over
+    the top `fraction` of the blocks, two per query for the central estimate, one per query plus the shared
+    centre for the forward one (the embeddings and the head are not counted, as a pass through part of the
+    model counts its share of the blocks)."""
+    passes = 2 * queries if estimator == "central" else queries + 1
+    return (1.0 - fraction) + passes * fraction

@@ -90,7 +90,7 @@ class Method:
     def forward_passes(self, local: LocalTraining) -> float:
         """One client's compute in a round, in forward passes of the full model: two per query and step, or
         with a cached prefix its frozen bottom once and two passes over the top per query (zo/prefix.py)."""
-        return local.local_steps * forward_equivalents(local.pass_fraction, local.queries)
+        return local.local_steps * forward_equivalents(local.pass_fraction, local.queries, local.estimator)
 
     # --- both sides --------------------------------------------------------------------------------------
     def step_seeds(self, local: LocalTraining, client_id: int) -> StepSeeds:
