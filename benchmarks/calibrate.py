@@ -50,8 +50,13 @@ SETTINGS = {
     "top4-cached-q4": ["trainable.mode=patterns",
                        "trainable.patterns=['layers\\.(26|27|28|29)\\..*norm\\.weight$', '^model\\.norm\\.weight$']",
                        "zo.prefix_cache=true", "zo.queries=4"],
+    # the same with one-sided queries around a shared centre: (1 - 4/30) + 5 * 4/30 = 1.53 a step
+    "top4-cached-q4-forward": ["trainable.mode=patterns",
+                               "trainable.patterns=['layers\\.(26|27|28|29)\\..*norm\\.weight$', "
+                               "'^model\\.norm\\.weight$']",
+                               "zo.prefix_cache=true", "zo.queries=4", "zo.estimator=forward"],
 }
-LRS = {"dense-gains": [3e-4], "top4-cached-q4": [3e-4, 1e-3]}
+LRS = {"dense-gains": [3e-4], "top4-cached-q4": [3e-4, 1e-3], "top4-cached-q4-forward": [1e-3]}
 COMMON = ["model.name=smollm2-135m", "optimizer.name=mezo", "zo.eps=1e-3", "train.batch_size=8", "task.max_length=64",
           "train.eval_batch_size=32", f"data.eval_examples={VALIDATION}"]
 
