@@ -77,7 +77,8 @@ def run_row(dataset: str, setting: str, lr: float, seed: int, budget: int, point
     train, _ = load_shared(dataset, seed=seed)
     fit, validation = train.train_test_split(VALIDATION / len(train), seed + 100)
     setup.train, setup.test = setup.task.encode(fit), setup.task.encode(validation)
-    step_cost = forward_equivalents(setup.pass_fraction, config.zo.queries)  # known once the model is split
+    # known once the model is split
+    step_cost = forward_equivalents(setup.pass_fraction, config.zo.queries, config.zo.estimator)
     steps = int(budget // step_cost)
     every = max(1, int(round(budget / points / step_cost)))  # `points` evaluations along the curve
     config = config.model_copy(update={"train": config.train.model_copy(update={
