@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import platform
 import sys
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import torch
+from row_pool import run_rows  # benchmarks/ is the script's own directory, so first on sys.path
 
 from zofed.data.builtin import load_shared, shared_data_dir
 from zofed.run.checkpoint import find_checkpoint, write_atomic_text
@@ -95,9 +94,9 @@ def run_row(dataset: str, setting: str, lr: float, seed: int, budget: int, point
             "train_seconds": round(results["train_seconds"], 1), "run_dir": str(out.relative_to(ROOT))}
 
 
-def _row_process(args: tuple, threads: int, points: int) -> dict:
+def _row_process(dataset: str, setting: str, lr: float, seed: int, budget: int, threads: int, points: int) -> dict:
     torch.set_num_threads(threads)
-    return {**run_row(*args, points=points), "torch_threads": threads}
+    return {**run_row(dataset, setting, lr, seed, budget, points=points), "torch_threads": threads}
 
 
 def reached(curve: list[list[float]], target: float) -> float | None:
@@ -175,18 +174,14 @@ def main() -> None:
     pending = [(d, s, lr, seed, args.budget) for d in args.datasets for s, lr in pairs
                for seed in args.seeds if row_key(d, s, lr, seed, args.budget) not in table["rows"]]
     print(f"{len(pending)} rows to run, {args.jobs} at a time", flush=True)
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(args.jobs, mp_context=context, max_tasks_per_child=1) as pool:
-        futures = {pool.submit(_row_process, p, args.threads, args.points): row_key(*p) for p in pending}
-        for future in as_completed(futures):
-            if future.exception() is not None:
-                print(f"row {futures[future]} failed: {future.exception()!r}", file=sys.stderr, flush=True)
-                continue
-            table["rows"][futures[future]] = future.result()
-            write_atomic_text(path, json.dumps(table, indent=2))
-            write_report(list(table["rows"].values()))
-            row = future.result()
-            print(json.dumps({k: v for k, v in row.items() if k != "curve"}), flush=True)
+    for key, row in run_rows(_row_process, pending, row_key, args.jobs, args.threads, args.points):
+        if isinstance(row, BaseException):
+            print(f"row {key} failed: {row!r}", file=sys.stderr, flush=True)
+            continue
+        table["rows"][key] = row
+        write_atomic_text(path, json.dumps(table, indent=2))
+        write_report(list(table["rows"].values()))
+        print(json.dumps({k: v for k, v in row.items() if k != "curve"}), flush=True)
 
 
 if __name__ == "__main__":

@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import platform
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
+from row_pool import run_rows  # benchmarks/ is the script's own directory, so first on sys.path
 
 from zofed.data.builtin import shared_data_dir
 from zofed.data.partition import client_splits
@@ -158,20 +157,6 @@ def row_from_results(method: str, dataset: str, alpha: float, seed: int, config:
 def _row_process(method: str, dataset: str, alpha: float, seed: int, model: str, rounds: int, threads: int) -> dict:
     torch.set_num_threads(threads)
     return {**run_row(method, dataset, alpha, seed, model, rounds), "peak_rss_scope": "row", "torch_threads": threads}
-
-
-def run_rows(pending: list[tuple], jobs: int, threads: int) -> Iterator[tuple[str, dict | BaseException]]:
-    """Yield (key, row) as rows finish, or (key, the exception) for a row that failed: one bad row must not stop
-    the others. Every row runs in a fresh process, so its peak RSS is its own and not the heaviest earlier row's;
-    `jobs` rows run at once."""
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(jobs, mp_context=context, max_tasks_per_child=1) as pool:
-        futures = {pool.submit(_row_process, *args, threads): row_key(*args) for args in pending}
-        for future in as_completed(futures):
-            error = future.exception()
-            yield futures[future], error if error is not None else future.result()
 
 
 def _reference_row(method: str, config: FederatedConfig, dataset: str, alpha: float, seed: int, out: Path) -> dict:
@@ -633,7 +618,7 @@ def main() -> None:
                and not (method == "zero-shot" and seed != args.seeds[0])]
     print(f"{len(pending)} rows to run, {args.jobs} at a time", flush=True)
     failed = []
-    for key, row in run_rows(pending, args.jobs, args.threads):
+    for key, row in run_rows(_row_process, pending, row_key, args.jobs, args.threads):
         if isinstance(row, BaseException):
             failed.append(key)
             print(f"row {key} failed, the others go on: {type(row).__name__}: {row}", file=sys.stderr, flush=True)

@@ -25,16 +25,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import platform
 import sys
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import numpy as np
 import torch
 from calibrate import TASKS  # benchmarks/ is the script's own directory, so first on sys.path
+from row_pool import run_rows
 
 from zofed.data.builtin import shared_data_dir
 from zofed.fl.methods import get_method
@@ -137,9 +136,10 @@ def run_one(phase: str, row: str, dataset: str, alpha: float, seed: int, lr: flo
             "run_dir": str(out.relative_to(ROOT))}
 
 
-def _process(args: tuple, threads: int) -> dict:
+def _process(phase: str, row: str, dataset: str, alpha: float, seed: int, lr: float, factor: float, budget: float,
+             threads: int) -> dict:
     torch.set_num_threads(threads)
-    return {**run_one(*args), "torch_threads": threads}
+    return {**run_one(phase, row, dataset, alpha, seed, lr, factor, budget), "torch_threads": threads}
 
 
 def choices(table: dict) -> dict[str, dict]:
@@ -260,17 +260,14 @@ def main() -> None:
                         if row_key(args.phase, row, dataset, alpha, seed, lr, factor, args.budget)
                         not in table["rows"]]
     print(f"{len(pending)} runs to do, {args.jobs} at a time", flush=True)
-    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
-                             max_tasks_per_child=1) as pool:
-        futures = {pool.submit(_process, p, args.threads): row_key(*p) for p in pending}
-        for future in as_completed(futures):
-            if future.exception() is not None:
-                print(f"run {futures[future]} failed: {future.exception()!r}", file=sys.stderr, flush=True)
-                continue
-            table["rows"][futures[future]] = future.result()
-            write_atomic_text(path, json.dumps(table, indent=2))
-            write_report(table)
-            print(json.dumps({k: v for k, v in future.result().items() if k != "curve"}), flush=True)
+    for key, row in run_rows(_process, pending, row_key, args.jobs, args.threads):
+        if isinstance(row, BaseException):
+            print(f"run {key} failed: {row!r}", file=sys.stderr, flush=True)
+            continue
+        table["rows"][key] = row
+        write_atomic_text(path, json.dumps(table, indent=2))
+        write_report(table)
+        print(json.dumps({k: v for k, v in row.items() if k != "curve"}), flush=True)
 
 
 if __name__ == "__main__":
