@@ -54,8 +54,18 @@ SETTINGS = {
                                "trainable.patterns=['layers\\.(26|27|28|29)\\..*norm\\.weight$', "
                                "'^model\\.norm\\.weight$']",
                                "zo.prefix_cache=true", "zo.queries=4", "zo.estimator=forward"],
+    # the label head alone (the verbalizer's output rows, 3 x 576 values on AG News' 4 classes: 2,304) with the
+    # whole backbone cached: a perturbed pass runs only the final projection, so 16 queries cost 1 pass a step
+    "head-cached-q16": ["trainable.mode=none", "trainable.label_head=true", "zo.prefix_cache=true",
+                        "zo.queries=16"],
+    # the label head and the top-4 gains, cached, 4 queries: 1.93 passes a step
+    "head-top4-cached-q4": ["trainable.mode=patterns", "trainable.label_head=true",
+                            "trainable.patterns=['layers\\.(26|27|28|29)\\..*norm\\.weight$', "
+                            "'^model\\.norm\\.weight$']",
+                            "zo.prefix_cache=true", "zo.queries=4"],
 }
-LRS = {"dense-gains": [3e-4], "top4-cached-q4": [3e-4, 1e-3], "top4-cached-q4-forward": [1e-3]}
+LRS = {"dense-gains": [3e-4], "top4-cached-q4": [3e-4, 1e-3], "top4-cached-q4-forward": [1e-3],
+       "head-cached-q16": [1e-3, 1e-2], "head-top4-cached-q4": [1e-3]}
 COMMON = ["model.name=smollm2-135m", "optimizer.name=mezo", "zo.eps=1e-3", "train.batch_size=8", "task.max_length=64",
           "train.eval_batch_size=32", f"data.eval_examples={VALIDATION}"]
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from zofed.data.sources import DataError, TextDataset
+from zofed.models.selection import LABEL_HEAD
 
 if TYPE_CHECKING:
     from zofed.zo.prefix import PrefixCache
@@ -177,6 +178,14 @@ class PromptClassification(Task):
             raise DataError(f"task.verbalizer words {config.verbalizer} share their first token, so the model could "
                             "not tell their classes apart; pick words that start differently")
 
+    def attach_label_head(self, model: torch.nn.Module) -> None:
+        """Give the model its own copy of the label words' output rows (classes x hidden), which the logits then
+        read instead of the output embedding: a trainable head that starts as the zero-shot classifier. The copy
+        leaves a tied input embedding alone, and it is tiny (3 x 576 values on SmolLM2), so ZO moves it fast."""
+        lm = _unwrap(model)
+        rows = lm.get_output_embeddings().weight[self.label_token_ids].detach().clone().float()
+        lm.register_parameter(LABEL_HEAD, torch.nn.Parameter(rows.contiguous(), requires_grad=False))
+
     def logits(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         lm = _unwrap(model)
         backbone = getattr(lm, lm.base_model_prefix)
@@ -200,7 +209,8 @@ class PromptClassification(Task):
         last = batch.attention_mask.sum(1) - 1
         h = hidden[torch.arange(hidden.shape[0]), last]
         head = lm.get_output_embeddings()
-        out = h @ head.weight[self.label_token_ids].T
+        rows = getattr(lm, LABEL_HEAD, None)
+        out = h @ (rows if rows is not None else head.weight[self.label_token_ids]).T
         if getattr(head, "bias", None) is not None:
             out = out + head.bias[self.label_token_ids]
         return out

@@ -1,8 +1,10 @@
 """Which parameters a ZO run perturbs: a config object, separate from the code that applies it.
 
 Modes: every parameter, LoRA adapters (via peft), parameters whose names match regular expressions, or
-a magnitude mask (a fixed fraction of each selected tensor's coordinates). The ZO path never needs
-autograd, so every parameter is set to `requires_grad=False` and the selection is kept as our own list.
+a magnitude mask (a fixed fraction of each selected tensor's coordinates), or none. Any mode may add the label head
+(`label_head`): a prompt-classification task's own copy of the verbalizer's output rows (data/tasks.py), the
+smallest set that moves a classifier's decision. The ZO path never needs autograd, so every parameter is set
+to `requires_grad=False` and the selection is kept as our own list.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from zofed.models.catalog import ModelLoadError
 from zofed.zo.optim import magnitude_masks
 
-SelectionMode = Literal["all", "lora", "patterns", "magnitude"]
+SelectionMode = Literal["all", "lora", "patterns", "magnitude", "none"]
+LABEL_HEAD = "label_head"  # the parameter a prompt-classification task attaches to the model (data/tasks.py)
 
 
 class TrainableConfig(BaseModel):
@@ -26,6 +29,9 @@ class TrainableConfig(BaseModel):
     mode: SelectionMode = "lora"
     patterns: list[str] = Field(default_factory=list)  # regexes on parameter names ("patterns", "magnitude")
     also_train: list[str] = Field(default_factory=list)  # regexes added to any mode, e.g. a classifier head
+    # prompt-classification: train a copy of the label words' output rows (classes x hidden values), started at
+    # the model's own rows, in place of the tied output embedding (data/tasks.py, LABEL_HEAD)
+    label_head: bool = False
     lora_r: int = Field(8, ge=1)
     lora_alpha: int = Field(16, ge=1)
     lora_targets: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"])
@@ -105,10 +111,22 @@ def select_trainable(model: torch.nn.Module, config: TrainableConfig) -> tuple[t
         selected = list(model.named_parameters())
     elif config.mode in ("patterns", "magnitude"):
         selected = _matching(model, config.patterns or [".*"], "trainable.patterns")
+    elif config.mode == "none":  # only what also_train or label_head add
+        selected = []
     else:
-        raise ValueError(f"unknown trainable mode {config.mode!r}; choose all, lora, patterns or magnitude")
+        raise ValueError(f"unknown trainable mode {config.mode!r}; choose all, lora, patterns, magnitude or none")
     names = {n for n, _ in selected}
     selected += [(n, p) for n, p in _matching(model, config.also_train, "trainable.also_train") if n not in names]
+    if config.label_head:
+        heads = [(n, p) for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] == LABEL_HEAD]
+        if not heads:
+            raise ModelLoadError("trainable.label_head needs a task.type prompt-classification task (it trains the "
+                                 "verbalizer's output rows); an encoder's classifier is trained with "
+                                 "trainable.also_train")
+        selected += [(n, p) for n, p in heads if n not in {m for m, _ in selected}]
+    if not selected and config.mode == "none":
+        raise ModelLoadError("trainable.mode none selects nothing by itself: add trainable.label_head=true or "
+                             "trainable.also_train patterns")
     if not selected:
         examples = [n for n, _ in model.named_parameters()][:4]
         raise ModelLoadError(f"trainable.patterns {config.patterns} (trainable.mode {config.mode}) match no "

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from zofed import streams
 from zofed.data.builtin import BUILTIN_DATASETS, load_builtin, load_shared
 from zofed.data.sources import TextDataset, load_dataset_spec
-from zofed.data.tasks import Encoded, Task, make_task
+from zofed.data.tasks import Encoded, PromptClassification, Task, make_task
 from zofed.models.registry import load_model
 from zofed.models.selection import TrainableParams, select_trainable
 from zofed.run.checkpoint import find_checkpoint, load_checkpoint
@@ -84,9 +84,15 @@ def build(config: FinetuneConfig) -> Setup:
     kind = config.model.kind or ("encoder" if config.task.type == "encoder-classification" else "causal-lm")
     loaded = load_model(config.model.name, kind=kind, num_labels=num_classes if kind == "encoder" else None,
                         head_seed=config.trainable.init_seed)
+    task = make_task(config.task, loaded.tokenizer, num_classes)
+    if config.trainable.label_head:
+        if not isinstance(task, PromptClassification):
+            raise ConfigError(f"trainable.label_head trains the verbalizer's output rows of a prompt-classification "
+                              f"task, not of task.type {config.task.type}; an encoder's classifier is trained with "
+                              "trainable.also_train")
+        task.attach_label_head(loaded.model)
     model, trainable = select_trainable(loaded.model, config.trainable)
     model.eval()
-    task = make_task(config.task, loaded.tokenizer, num_classes)
     return Setup(config, model, trainable, task, task.encode(train), task.encode(test), train.label_names, train,
                  prefix_cache(config, model, trainable))
 
