@@ -65,7 +65,7 @@ SETTINGS = {
                             "zo.prefix_cache=true", "zo.queries=4"],
 }
 LRS = {"dense-gains": [3e-4], "top4-cached-q4": [3e-4, 1e-3], "top4-cached-q4-forward": [1e-3],
-       "head-cached-q16": [1e-3, 1e-2], "head-top4-cached-q4": [1e-3]}
+       "head-cached-q16": [1e-4, 3e-4], "head-top4-cached-q4": [1e-3]}
 COMMON = ["model.name=smollm2-135m", "optimizer.name=mezo", "zo.eps=1e-3", "train.batch_size=8", "task.max_length=64",
           "train.eval_batch_size=32", f"data.eval_examples={VALIDATION}"]
 

@@ -6,6 +6,10 @@ Protocol (the learning-speed issue's Part 1):
   zero-shot). A method's rounds follow from it: rounds = budget / (clients per round x its per-client cost a
   round), the cost counted by the method itself (two passes per ZO query and step, three per back-propagated
   step, a cached frozen prefix its share of the blocks).
+- Trainable set (`--trainable`): one set for every ZO row, so the baselines run their published algorithms on
+  zofed's tensors. zofed's engine lever (the frozen prefix cached, several queries a step) is a row property:
+  `zofed` has it, `zofed-uncached` does not (the method alone), and `<baseline>-cached` rows give it to a
+  baseline, so a reader sees how much of a margin is the method and how much the engine.
 - Federation: 50 clients under Dirichlet label skew (each client's label mix ~ Dir(alpha), equal sizes: the
   partition scheme dirichlet-mix), 5 a round, 4 local steps of batch 8.
 - Tuning (`--phase tune`): every method on the same small grid (client lr x server lr factor), one seed, alpha 0.1,
@@ -46,22 +50,47 @@ from zofed.run.metrics import MetricsLog
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 CLIENTS, PER_ROUND, LOCAL_STEPS, BATCH, VALIDATION = 50, 5, 4, 8, 400
-GAINS = ["trainable.mode=patterns", "trainable.patterns=['norm\\.weight$']"]
+# The trainable set every row shares (`--trainable`), and the share of SmolLM2's 30 blocks a perturbed pass runs
+# when the frozen prefix is cached: the baselines run their published algorithms on the same tensors as zofed.
 TOP4 = ["trainable.mode=patterns",
-        "trainable.patterns=['layers\\.(26|27|28|29)\\..*norm\\.weight$', '^model\\.norm\\.weight$']",
-        "zo.prefix_cache=true", "zo.queries=4"]
-# row name -> (federation.method, overrides, share of SmolLM2's 30 blocks a perturbed pass runs)
-ROWS: dict[str, tuple[str, list[str], float]] = {
-    "zofed": ("zofed", GAINS, 1.0),
-    "zofed-top4-cached": ("zofed", TOP4, 4 / 30),
-    "hiso": ("hiso", GAINS, 1.0),
-    "fedkseed": ("fedkseed", [*GAINS, "federation.pool_size=64"], 1.0),
-    "decomfl": ("decomfl", GAINS, 1.0),
-    "zo-seeds": ("zo-seeds", GAINS, 1.0),
-    "fedmezo": ("fedmezo", GAINS, 1.0),
-    "decomfl-top4-cached": ("decomfl", TOP4, 4 / 30),  # the strongest-baseline row with zofed's engine lever
-    "fedavg-lora": ("fedavg", ["trainable.mode=lora"], 1.0),
+        "trainable.patterns=['layers\\.(26|27|28|29)\\..*norm\\.weight$', '^model\\.norm\\.weight$']"]
+TRAINABLE: dict[str, tuple[list[str], float]] = {
+    "gains": (["trainable.mode=patterns", "trainable.patterns=['norm\\.weight$']"], 1.0),  # all 61 RMSNorm gains
+    "top4": (TOP4, 4 / 30),  # the gains of the top 4 blocks and the final norm
+    "head": (["trainable.mode=none", "trainable.label_head=true"], 0.0),  # the verbalizer's output rows
+    "head-top4": ([*TOP4, "trainable.label_head=true"], 4 / 30),
 }
+# zofed's engine lever: the frozen prefix cached and several queries a step. Rows with it cost what their cache
+# saves; a baseline row with it shows how much of zofed's margin is the engine rather than the method.
+CACHED = {"top4": ["zo.prefix_cache=true", "zo.queries=4"], "head": ["zo.prefix_cache=true", "zo.queries=16"]}
+# row name -> (federation.method, runs with the engine lever)
+ROWS: dict[str, tuple[str, bool]] = {
+    "zofed": ("zofed", True),
+    "zofed-uncached": ("zofed", False),  # the method alone, at the baselines' one query a step
+    "hiso": ("hiso", False),
+    "fedkseed": ("fedkseed", False),
+    "decomfl": ("decomfl", False),
+    "zo-seeds": ("zo-seeds", False),
+    "fedmezo": ("fedmezo", False),
+    "hiso-cached": ("hiso", True),
+    "fedkseed-cached": ("fedkseed", True),
+    "decomfl-cached": ("decomfl", True),
+    "fedavg-lora": ("fedavg", False),  # first-order: LoRA, its own trainable set (the accuracy ceiling)
+}
+HEADLINE = ["zofed", "hiso", "fedkseed", "decomfl", "zo-seeds", "fedmezo", "fedavg-lora"]
+METHOD_OPTIONS = {"fedkseed": ["federation.pool_size=64"]}
+
+
+def row_overrides(row: str, trainable: str) -> tuple[list[str], float]:
+    """A row's config overrides on a trainable set, and the share of the blocks its perturbed passes run."""
+    method, cached = ROWS[row]
+    if get_method(method).first_order:
+        return ["trainable.mode=lora", *METHOD_OPTIONS.get(method, [])], 1.0
+    overrides, fraction = TRAINABLE[trainable]
+    lever = CACHED["head" if trainable == "head" else "top4"] if cached and fraction < 1 else []
+    return [*overrides, *lever, *METHOD_OPTIONS.get(method, [])], fraction if lever else 1.0
+
+
 # The grid every method is tuned on: client lr, and a factor on the server optimizer's default lr.
 CLIENT_LRS = {"zo": [1e-4, 3e-4, 1e-3], "first_order": [3e-4, 1e-3, 3e-3]}
 SERVER_FACTORS = [1.0, 3.0]
@@ -72,16 +101,16 @@ COMMON = ["model.name=smollm2-135m", "optimizer.name=mezo", "zo.eps=1e-3", f"tra
           f"data.validation_examples={VALIDATION}", "data.eval_examples=300"]
 
 
-def per_client_round_cost(row: str) -> float:
+def per_client_round_cost(row: str, trainable: str) -> float:
     """Forward-pass equivalents one client spends in a round of this row, as its method counts them."""
-    method, overrides, fraction = ROWS[row]
+    overrides, fraction = row_overrides(row, trainable)
     queries = next((int(o.split("=")[1]) for o in overrides if o.startswith("zo.queries=")), 1)
-    local = LocalTraining(method, 0, 0, LOCAL_STEPS, 1.0, 1e-3, queries=queries, pass_fraction=fraction)
-    return get_method(method).forward_passes(local)
+    local = LocalTraining(ROWS[row][0], 0, 0, LOCAL_STEPS, 1.0, 1e-3, queries=queries, pass_fraction=fraction)
+    return get_method(ROWS[row][0]).forward_passes(local)
 
 
-def rounds_for(row: str, budget: float) -> int:
-    return max(1, int(budget // (PER_ROUND * per_client_round_cost(row))))
+def rounds_for(row: str, trainable: str, budget: float) -> int:
+    return max(1, int(budget // (PER_ROUND * per_client_round_cost(row, trainable))))
 
 
 def grid(row: str, lrs: list[float] | None = None, factors: list[float] | None = None) -> list[tuple[float, float]]:
@@ -91,34 +120,36 @@ def grid(row: str, lrs: list[float] | None = None, factors: list[float] | None =
     return [(lr, f) for lr in (lrs or CLIENT_LRS[kind]) for f in (factors or default_factors)]
 
 
-def row_key(phase: str, row: str, dataset: str, alpha: float, seed: int, lr: float, factor: float,
+def row_key(phase: str, row: str, trainable: str, dataset: str, alpha: float, seed: int, lr: float, factor: float,
             budget: float) -> str:
-    return f"{phase}|{row}|{dataset}|{alpha}|{seed}|{lr:g}|{factor:g}|{budget:g}"
+    return f"{phase}|{row}|{trainable}|{dataset}|{alpha}|{seed}|{lr:g}|{factor:g}|{budget:g}"
 
 
-def _config(phase: str, row: str, dataset: str, alpha: float, seed: int, lr: float, factor: float, budget: float,
-            out: Path) -> FederatedConfig:
-    method, overrides, _ = ROWS[row]
+def _config(phase: str, row: str, trainable: str, dataset: str, alpha: float, seed: int, lr: float, factor: float,
+            budget: float, out: Path) -> FederatedConfig:
+    method = ROWS[row][0]
+    overrides, _ = row_overrides(row, trainable)
+    rounds = rounds_for(row, trainable, budget)
     first_order = get_method(method).first_order
     default = get_method(method).server_default
     lr_key = "federation.first_order_lr" if first_order else "optimizer.lr"
     return load_config(None, [
         *COMMON, *TASKS[dataset], *overrides, f"federation.method={method}", f"{lr_key}={lr}",
-        f"federation.server_optimizer.lr={default.lr * factor}", f"federation.rounds={rounds_for(row, budget)}",
-        f"federation.eval_every={max(1, rounds_for(row, budget) // 6)}",
+        f"federation.server_optimizer.lr={default.lr * factor}", f"federation.rounds={rounds}",
+        f"federation.eval_every={max(1, rounds // 6)}",
         f"data.evaluate_on={'validation' if phase == 'tune' else 'test'}", f"data.source=shared:{dataset}",
         f"federation.partition.alpha={alpha}", f"federation.partition.seed={seed}", f"train.seed={seed}",
         f"out_dir={out}"], schema=FederatedConfig)
 
 
-def run_one(phase: str, row: str, dataset: str, alpha: float, seed: int, lr: float, factor: float,
+def run_one(phase: str, row: str, trainable: str, dataset: str, alpha: float, seed: int, lr: float, factor: float,
             budget: float) -> dict:
-    out = ROOT / "runs" / "bench" / "ranking" / row_key(phase, row, dataset, alpha, seed, lr, factor,
+    out = ROOT / "runs" / "bench" / "ranking" / row_key(phase, row, trainable, dataset, alpha, seed, lr, factor,
                                                         budget).replace("|", "_")
-    config = _config(phase, row, dataset, alpha, seed, lr, factor, budget, out)
+    config = _config(phase, row, trainable, dataset, alpha, seed, lr, factor, budget, out)
     results = run_federated(config, resume=find_checkpoint(out / "checkpoint") is not None,
                             show_progress=sys.stderr.isatty())
-    expected = per_client_round_cost(row)
+    expected = per_client_round_cost(row, trainable)
     if abs(results["forward_passes_per_client_round"] - expected) > 1e-9:  # the row's cost model must be the run's
         raise RuntimeError(f"{row}: the run counted {results['forward_passes_per_client_round']} passes a client "
                            f"round, the benchmark planned {expected}")
@@ -126,7 +157,8 @@ def run_one(phase: str, row: str, dataset: str, alpha: float, seed: int, lr: flo
     start = results["eval_accuracy_start"]
     curve = [[0.0, 0.0, 0, start]] + [[r["forward_passes"], r["bytes_up_per_client"] * r["round"], r["round"],
                                        r["eval_accuracy"]] for r in rounds if "eval_accuracy" in r]
-    return {"phase": phase, "row": row, "dataset": dataset, "alpha": alpha, "seed": seed, "lr": lr,
+    return {"phase": phase, "row": row, "trainable": trainable, "trainable_parameters":
+            results["trainable_parameters"], "dataset": dataset, "alpha": alpha, "seed": seed, "lr": lr,
             "server_factor": factor, "budget": budget, "rounds": config.federation.rounds,
             "forward_passes": results["forward_passes"], "final_accuracy": round(results["test"]["accuracy"], 4),
             "client_accuracy_mean": results.get("client_accuracy_mean"),
@@ -136,23 +168,28 @@ def run_one(phase: str, row: str, dataset: str, alpha: float, seed: int, lr: flo
             "run_dir": str(out.relative_to(ROOT))}
 
 
-def _process(phase: str, row: str, dataset: str, alpha: float, seed: int, lr: float, factor: float, budget: float,
-             threads: int) -> dict:
+def _process(phase: str, row: str, trainable: str, dataset: str, alpha: float, seed: int, lr: float, factor: float,
+             budget: float, threads: int) -> dict:
     torch.set_num_threads(threads)
-    return {**run_one(phase, row, dataset, alpha, seed, lr, factor, budget), "torch_threads": threads}
+    return {**run_one(phase, row, trainable, dataset, alpha, seed, lr, factor, budget), "torch_threads": threads}
 
 
 def choices(table: dict) -> dict[str, dict]:
-    """Per (dataset, row): the grid point with the best validation accuracy among the tuning rows."""
+    """Per (dataset, trainable set, budget, row): the grid point with the best validation accuracy among the
+    tuning rows."""
     best: dict[str, dict] = {}
     for r in table["rows"].values():
         if r["phase"] != "tune":
             continue
-        key = f"{r['dataset']}|{r['row']}"
+        key = setting_key(r["dataset"], r["trainable"], r["budget"], r["row"])
         if key not in best or r["final_accuracy"] > best[key]["final_accuracy"]:
             best[key] = r
     return {k: {"lr": r["lr"], "server_factor": r["server_factor"], "validation_accuracy": r["final_accuracy"]}
             for k, r in best.items()}
+
+
+def setting_key(dataset: str, trainable: str, budget: float, row: str) -> str:
+    return f"{dataset}|{trainable}|{budget:g}|{row}"
 
 
 def reached(curve: list[list[float]], target: float) -> float | None:
@@ -163,12 +200,14 @@ def reached(curve: list[list[float]], target: float) -> float | None:
 def summary_lines(rows: list[dict]) -> list[str]:
     finals = [r for r in rows if r["phase"] == "final"]
     lines = []
-    for dataset, alpha in sorted({(r["dataset"], r["alpha"]) for r in finals}):
-        group = [r for r in finals if (r["dataset"], r["alpha"]) == (dataset, alpha)]
+    for dataset, alpha, trainable, budget in sorted({(r["dataset"], r["alpha"], r["trainable"], r["budget"])
+                                                     for r in finals}):
+        group = [r for r in finals if (r["dataset"], r["alpha"], r["trainable"], r["budget"])
+                 == (dataset, alpha, trainable, budget)]
         by_row: dict[str, list[dict]] = {}
         for r in group:
             by_row.setdefault(r["row"], []).append(r)
-        lines += [f"### {dataset}, alpha {alpha}", "",
+        lines += [f"### {dataset}, alpha {alpha}, trainable set {trainable}, budget {budget:,.0f} passes", "",
                   "| row | seeds | final accuracy (mean ± std) | subset accuracy at the end | rounds | passes "
                   "| bytes up / client / round |", "|" + "---|" * 7]
         for name, rs in by_row.items():
@@ -176,8 +215,8 @@ def summary_lines(rows: list[dict]) -> list[str]:
             end = np.mean([r["curve"][-1][3] for r in rs])
             lines.append(f"| {name} | {len(rs)} | {acc.mean():.4f} ± {acc.std():.4f} | {end:.4f} | {rs[0]['rounds']} "
                          f"| {rs[0]['forward_passes']:,.0f} | {rs[0]['bytes_up_per_client_round']:,.0f} |")
-        baselines = {n: rs for n, rs in by_row.items() if not n.startswith("zofed")
-                     and not get_method(ROWS[n][0]).first_order}
+        baselines = {n: rs for n, rs in by_row.items() if ROWS[n][0] != "zofed" and not ROWS[n][1]
+                     and not get_method(ROWS[n][0]).first_order}  # published ZO algorithms, without the lever
         if baselines and "zofed" in by_row:
             best = max(baselines, key=lambda n: np.mean([r["curve"][-1][3] for r in baselines[n]]))
             target = float(np.mean([r["curve"][-1][3] for r in baselines[best]]))
@@ -208,11 +247,13 @@ def write_report(table: dict) -> None:
              f"the federation) for every row; settings tuned on a {VALIDATION}-example validation split carved from "
              "the training data; final accuracy on the full test split, curves on a fixed 300-example test subset. "
              "Reproduce: `.venv/bin/python benchmarks/ranking.py --phase tune`, then `--phase final`.", "",
-             "## Tuning choices", "", "| dataset | row | client lr | server lr factor | validation accuracy |",
-             "|---|---|---|---|---|"]
+             "Trainable sets: " + "; ".join(f"`{k}`: {' '.join(v[0])}" for k, v in TRAINABLE.items()) + ".", "",
+             "## Tuning choices", "", "| dataset | trainable | budget | row | client lr | server lr factor "
+             "| validation accuracy |", "|---|---|---|---|---|---|---|"]
     for key, c in sorted(choices(table).items()):
-        dataset, row = key.split("|")
-        lines.append(f"| {dataset} | {row} | {c['lr']:g} | {c['server_factor']:g} | {c['validation_accuracy']:.4f} |")
+        dataset, trainable, budget, row = key.split("|")
+        lines.append(f"| {dataset} | {trainable} | {budget} | {row} | {c['lr']:g} | {c['server_factor']:g} "
+                     f"| {c['validation_accuracy']:.4f} |")
     lines += ["", f"Grid: client lr {CLIENT_LRS} and server lr factors {SERVER_FACTORS} (first-order rows: 1).",
               "", "## Final rows", "", *summary_lines(rows)]
     write_atomic_text(RESULTS / "ranking.md", "\n".join(lines) + "\n")
@@ -221,7 +262,8 @@ def write_report(table: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--phase", choices=["tune", "final"], default="tune")
-    parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
+    parser.add_argument("--rows", nargs="*", default=HEADLINE, choices=list(ROWS))
+    parser.add_argument("--trainable", default="top4", choices=list(TRAINABLE), help="the set every ZO row trains")
     parser.add_argument("--datasets", nargs="*", default=list(TASKS), choices=list(TASKS))
     parser.add_argument("--alphas", type=float, nargs="*", default=[0.1])
     parser.add_argument("--seeds", type=int, nargs="*", default=[0])
@@ -241,7 +283,7 @@ def main() -> None:
         print("skipped: ../shared/data not found (set ZOFED_SHARED_DATA to a folder holding sst2/, agnews/, mr/)")
         return
     table["meta"] = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
-                     "common": COMMON, "rows": {k: v[1] for k, v in ROWS.items()}}
+                     "common": COMMON, "trainable_sets": TRAINABLE, "cached": CACHED, "rows": ROWS}
     chosen = choices(table)
     pending = []
     for dataset in args.datasets:
@@ -250,14 +292,16 @@ def main() -> None:
                 points = grid(row, args.grid_lrs, args.grid_factors)
                 seeds, alphas = [args.seeds[0]], [0.1]
             else:
-                if f"{dataset}|{row}" not in chosen:
-                    print(f"no tuning rows for {row} on {dataset}: run --phase tune first; left out", flush=True)
+                key = setting_key(dataset, args.trainable, args.budget, row)
+                if key not in chosen:
+                    print(f"no tuning rows for {row} on {dataset} ({args.trainable}, budget {args.budget:g}): run "
+                          "--phase tune first; left out", flush=True)
                     continue
-                c = chosen[f"{dataset}|{row}"]
+                c = chosen[key]
                 points, seeds, alphas = [(c["lr"], c["server_factor"])], args.seeds, args.alphas
-            pending += [(args.phase, row, dataset, alpha, seed, lr, factor, args.budget) for alpha in alphas
-                        for seed in seeds for lr, factor in points
-                        if row_key(args.phase, row, dataset, alpha, seed, lr, factor, args.budget)
+            pending += [(args.phase, row, args.trainable, dataset, alpha, seed, lr, factor, args.budget)
+                        for alpha in alphas for seed in seeds for lr, factor in points
+                        if row_key(args.phase, row, args.trainable, dataset, alpha, seed, lr, factor, args.budget)
                         not in table["rows"]]
     print(f"{len(pending)} runs to do, {args.jobs} at a time", flush=True)
     for key, row in run_rows(_process, pending, row_key, args.jobs, args.threads):
