@@ -5,8 +5,9 @@ whose float arithmetic matches the one the pins were written on (same kernels: t
 forward pass says so), the final tensors must be bit-identical (sha256). Elsewhere a last-bit difference in a
 kernel is amplified by adaptive steps (coordinate-wise Adam turns a near-zero coordinate's sign into a full
 step), so there each run's update (final minus start) is compared by its sum, norm and four fixed random
-projections within 1%: a changed seed stream, step rule or server rule still moves them by more. A change
-that is meant to move a run (a bug fix) says so in its commit and rewrites the pins:
+projections within 1% (or 1% of the update's norm, for a value near zero): a changed seed stream, step rule or
+server rule still moves them by more. A change that is meant to move a run (a bug fix) says so in its commit and
+rewrites the pins:
 `.venv/bin/python tests/test_method_pins.py`.
 """
 
@@ -136,7 +137,9 @@ def test_every_method_ends_where_it_is_pinned(name, tiny_workspace, tmp_path):
     assert name in PINS, f"no pin for {name}: run `python tests/test_method_pins.py` and paste its output"
     if arithmetic() == ARITHMETIC:
         assert final_sha(tmp_path / name) == EXACT[name], f"{name} moved: {got} (pinned {PINS[name]})"
-    assert np.allclose(got, PINS[name], rtol=1e-2, atol=1e-6), f"{name}: {got} != pinned {PINS[name]}"
+    # A projection near zero carries the kernels' rounding at the update's scale, not its own: 1% of the norm.
+    scale = 1e-2 * PINS[name][1]
+    assert np.allclose(got, PINS[name], rtol=1e-2, atol=scale), f"{name}: {got} != pinned {PINS[name]}"
 
 
 if __name__ == "__main__":  # print the pins of the code as it is now

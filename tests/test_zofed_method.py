@@ -119,7 +119,8 @@ def test_uplink_bytes_do_not_depend_on_the_model():
         pi = (sizes_b / sizes_b.sum()).astype(np.float32)
         plan = LocalTraining("zofed", run_seed=1, round_id=0, local_steps=10, lr=1e-2, eps=1e-2, batch_size=8)
         update, _ = run_client(ctx, start, 0, toy_clients()[0], plan, pi)
-        sizes.append(message_nbytes(update))
+        # the train loss travels as JSON text, whose digits vary with its value: fix it, count the rest
+        sizes.append(message_nbytes(replace(update, metrics={"train_loss": 0.5})))
         numels.append(sum(t.numel() for t in start))
     assert numels[1] > 5 * numels[0]  # about 9 times the parameters, 3 times the blocks
     assert sizes[0] == sizes[1] < 400
