@@ -181,7 +181,7 @@ class PromptClassification(Task):
     def attach_label_head(self, model: torch.nn.Module) -> None:
         """Give the model its own copy of the label words' output rows (classes x hidden), which the logits then
         read instead of the output embedding: a trainable head that starts as the zero-shot classifier. The copy
-        leaves a tied input embedding alone, and it is tiny (3 x 576 values on SmolLM2), so ZO moves it fast."""
+        leaves a tied input embedding alone, and it is tiny (classes x 576 values on SmolLM2), so ZO moves it fast."""
         lm = _unwrap(model)
         rows = lm.get_output_embeddings().weight[self.label_token_ids].detach().clone().float()
         lm.register_parameter(LABEL_HEAD, torch.nn.Parameter(rows.contiguous(), requires_grad=False))
