@@ -244,6 +244,57 @@ def summary_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def plot_curves(groups: dict[str, list[dict]], title: str, path: Path) -> None:
+    """Accuracy against client compute, uplink bytes per client and rounds: per row the mean over its seeds, with
+    the seeds' range as a band (rows of one setting share their evaluation points)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(15, 4.2))
+    axes = fig.subplots(1, 3)
+    for name, rs in groups.items():
+        curves = np.array([r["curve"] for r in rs if len(r["curve"]) == len(rs[0]["curve"])])
+        acc = curves[:, :, 3]
+        for ax, column in zip(axes, range(3), strict=True):
+            x = curves[0, :, column]
+            seeds = f"{len(curves)} seed{'s' if len(curves) > 1 else ''}"
+            line, = ax.plot(x, acc.mean(0), marker="o", ms=3, label=f"{name} ({seeds})")
+            if len(curves) > 1:
+                ax.fill_between(x, acc.min(0), acc.max(0), color=line.get_color(), alpha=0.15)
+    for ax, label in zip(axes, ["client compute (forward-pass equivalents, whole federation)",
+                                "uplink bytes per client (cumulative)", "rounds"], strict=True):
+        ax.set(xlabel=label, ylabel="accuracy")
+    axes[0].legend(fontsize="x-small")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def figures(rows: list[dict]) -> list[str]:
+    """One figure per setting: the final rows (test subset), or while there are none, each row's chosen tuning
+    run (validation); returns the markdown that shows them."""
+    lines = []
+    chosen = choices({"rows": {str(i): r for i, r in enumerate(rows)}})
+    for dataset, alpha, trainable, budget in sorted({(r["dataset"], r["alpha"], r["trainable"], r["budget"])
+                                                     for r in rows}):
+        same = [r for r in rows if (r["dataset"], r["alpha"], r["trainable"], r["budget"])
+                == (dataset, alpha, trainable, budget)]
+        finals = [r for r in same if r["phase"] == "final"]
+        if finals:
+            picked, what = finals, "final rows, test subset"
+        else:
+            picked = [r for r in same if r["phase"] == "tune"
+                      and (r["lr"], r["server_factor"]) == tuple(chosen[setting_key(
+                          dataset, trainable, budget, r["row"])][k] for k in ("lr", "server_factor"))]
+            picked, what = picked, "tuning runs at each row's chosen point, validation, one seed"
+        groups: dict[str, list[dict]] = {}
+        for r in picked:
+            groups.setdefault(r["row"], []).append(r)
+        name = f"ranking_{dataset}_a{alpha}_{trainable}_b{budget:g}.png"
+        plot_curves(groups, f"{dataset}, alpha {alpha}, {trainable}, {budget:,.0f} passes ({what})", RESULTS / name)
+        lines += [f"![{dataset} {trainable}]({name})", ""]
+    return lines
+
+
 def write_report(table: dict) -> None:
     rows = list(table["rows"].values())
     lines = ["# Ranking federated methods at equal client compute", "",
@@ -261,7 +312,7 @@ def write_report(table: dict) -> None:
                      f"| {c['validation_accuracy']:.4f} | {', '.join(c['tried'])} |")
     lines += ["", f"The full grid: client lr {CLIENT_LRS} and server lr factors {SERVER_FACTORS} (first-order rows: "
               "1); a row tuned on fewer points says so in its last column.",
-              "", "## Final rows", "", *summary_lines(rows)]
+              "", "## Final rows", "", *summary_lines(rows), "## Curves", "", *figures(rows)]
     write_atomic_text(RESULTS / "ranking.md", "\n".join(lines) + "\n")
 
 
