@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 import torch
-from row_pool import run_rows  # benchmarks/ is the script's own directory, so first on sys.path
+from row_pool import record_rows, run_rows  # benchmarks/ is the script's own directory, so first on sys.path
 
 from zofed.data.builtin import load_shared, shared_data_dir
 from zofed.run.checkpoint import find_checkpoint, write_atomic_text
@@ -184,14 +184,8 @@ def main() -> None:
     pending = [(d, s, lr, seed, args.budget) for d in args.datasets for s, lr in pairs
                for seed in args.seeds if row_key(d, s, lr, seed, args.budget) not in table["rows"]]
     print(f"{len(pending)} rows to run, {args.jobs} at a time", flush=True)
-    for key, row in run_rows(_row_process, pending, row_key, args.jobs, args.threads, args.points):
-        if isinstance(row, BaseException):
-            print(f"row {key} failed: {row!r}", file=sys.stderr, flush=True)
-            continue
-        table["rows"][key] = row
-        write_atomic_text(path, json.dumps(table, indent=2))
-        write_report(list(table["rows"].values()))
-        print(json.dumps({k: v for k, v in row.items() if k != "curve"}), flush=True)
+    record_rows(run_rows(_row_process, pending, row_key, args.jobs, args.threads, args.points), table, path,
+                lambda: write_report(list(table["rows"].values())), "curve")
 
 
 if __name__ == "__main__":

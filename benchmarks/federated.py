@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from row_pool import run_rows  # benchmarks/ is the script's own directory, so first on sys.path
+from row_pool import record_rows, run_rows  # benchmarks/ is the script's own directory, so first on sys.path
 
 from zofed.data.builtin import shared_data_dir
 from zofed.data.partition import client_splits
@@ -617,18 +617,8 @@ def main() -> None:
                and not (method in REFERENCES and args.rounds != ROUNDS)
                and not (method == "zero-shot" and seed != args.seeds[0])]
     print(f"{len(pending)} rows to run, {args.jobs} at a time", flush=True)
-    failed = []
-    for key, row in run_rows(_row_process, pending, row_key, args.jobs, args.threads):
-        if isinstance(row, BaseException):
-            failed.append(key)
-            print(f"row {key} failed, the others go on: {type(row).__name__}: {row}", file=sys.stderr, flush=True)
-            continue
-        table["rows"][key] = row
-        write_atomic_text(path, json.dumps(table, indent=2))
-        write_table(list(table["rows"].values()))
-        print(json.dumps({k: v for k, v in row.items() if k != "eval_curve"}), flush=True)
-    if failed:
-        sys.exit(f"{len(failed)} of {len(pending)} rows failed: {', '.join(failed)}")
+    record_rows(run_rows(_row_process, pending, row_key, args.jobs, args.threads), table, path,
+                lambda: write_table(list(table["rows"].values())), "eval_curve")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from calibrate import TASKS  # benchmarks/ is the script's own directory, so first on sys.path
-from row_pool import run_rows
+from row_pool import record_rows, run_rows
 
 from zofed.data.builtin import shared_data_dir
 from zofed.fl.methods import get_method
@@ -50,19 +50,19 @@ from zofed.run.metrics import MetricsLog
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 CLIENTS, PER_ROUND, LOCAL_STEPS, BATCH, VALIDATION = 50, 5, 4, 8, 400
-# The trainable set every row shares (`--trainable`), and the share of SmolLM2's 30 blocks a perturbed pass runs
-# when the frozen prefix is cached: the baselines run their published algorithms on the same tensors as zofed.
+# The trainable set every row shares (`--trainable`): its overrides, the share of SmolLM2's 30 blocks a perturbed
+# pass runs when the frozen prefix is cached, and zofed's engine lever on it (the prefix cached and several
+# queries a step; none where nothing can be cached). The baselines run their published algorithms on the same
+# tensors as zofed; a baseline row with the lever shows how much of a margin is the engine rather than the method.
 TOP4 = ["trainable.mode=patterns",
         "trainable.patterns=['layers\\.(26|27|28|29)\\..*norm\\.weight$', '^model\\.norm\\.weight$']"]
-TRAINABLE: dict[str, tuple[list[str], float]] = {
-    "gains": (["trainable.mode=patterns", "trainable.patterns=['norm\\.weight$']"], 1.0),  # all 61 RMSNorm gains
-    "top4": (TOP4, 4 / 30),  # the gains of the top 4 blocks and the final norm
-    "head": (["trainable.mode=none", "trainable.label_head=true"], 0.0),  # the verbalizer's output rows
-    "head-top4": ([*TOP4, "trainable.label_head=true"], 4 / 30),
+LEVER_Q4, LEVER_Q16 = ["zo.prefix_cache=true", "zo.queries=4"], ["zo.prefix_cache=true", "zo.queries=16"]
+TRAINABLE: dict[str, tuple[list[str], float, list[str]]] = {
+    "gains": (["trainable.mode=patterns", "trainable.patterns=['norm\\.weight$']"], 1.0, []),  # all 61 gains
+    "top4": (TOP4, 4 / 30, LEVER_Q4),  # the gains of the top 4 blocks and the final norm
+    "head": (["trainable.mode=none", "trainable.label_head=true"], 0.0, LEVER_Q16),  # the verbalizer's rows
+    "head-top4": ([*TOP4, "trainable.label_head=true"], 4 / 30, LEVER_Q4),
 }
-# zofed's engine lever: the frozen prefix cached and several queries a step. Rows with it cost what their cache
-# saves; a baseline row with it shows how much of zofed's margin is the engine rather than the method.
-CACHED = {"top4": ["zo.prefix_cache=true", "zo.queries=4"], "head": ["zo.prefix_cache=true", "zo.queries=16"]}
 # row name -> (federation.method, runs with the engine lever)
 ROWS: dict[str, tuple[str, bool]] = {
     "zofed": ("zofed", True),
@@ -86,8 +86,8 @@ def row_overrides(row: str, trainable: str) -> tuple[list[str], float]:
     method, cached = ROWS[row]
     if get_method(method).first_order:
         return ["trainable.mode=lora", *METHOD_OPTIONS.get(method, [])], 1.0
-    overrides, fraction = TRAINABLE[trainable]
-    lever = CACHED["head" if trainable == "head" else "top4"] if cached and fraction < 1 else []
+    overrides, fraction, lever = TRAINABLE[trainable]
+    lever = lever if cached else []
     return [*overrides, *lever, *METHOD_OPTIONS.get(method, [])], fraction if lever else 1.0
 
 
@@ -178,17 +178,14 @@ def choices(table: dict) -> dict[str, dict]:
     """Per (dataset, trainable set, budget, row): the grid point with the best validation accuracy among the
     tuning rows."""
     best: dict[str, dict] = {}
+    tried: dict[str, list[str]] = {}
     for r in table["rows"].values():
         if r["phase"] != "tune":
             continue
         key = setting_key(r["dataset"], r["trainable"], r["budget"], r["row"])
+        tried.setdefault(key, []).append(f"({r['lr']:g}, {r['server_factor']:g})")
         if key not in best or r["final_accuracy"] > best[key]["final_accuracy"]:
             best[key] = r
-    tried: dict[str, list[str]] = {}
-    for r in table["rows"].values():
-        if r["phase"] == "tune":
-            key = setting_key(r["dataset"], r["trainable"], r["budget"], r["row"])
-            tried.setdefault(key, []).append(f"({r['lr']:g}, {r['server_factor']:g})")
     return {k: {"lr": r["lr"], "server_factor": r["server_factor"], "validation_accuracy": r["final_accuracy"],
                 "tried": sorted(tried[k])} for k, r in best.items()}
 
@@ -197,18 +194,22 @@ def setting_key(dataset: str, trainable: str, budget: float, row: str) -> str:
     return f"{dataset}|{trainable}|{budget:g}|{row}"
 
 
+def by_setting(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """Rows grouped by (dataset, alpha, trainable set, budget): the rows one table or figure compares."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["dataset"], r["alpha"], r["trainable"], r["budget"]), []).append(r)
+    return dict(sorted(groups.items()))
+
+
 def reached(curve: list[list[float]], target: float) -> float | None:
     """Forward passes at which a curve first reaches `target` (None: never within its budget)."""
     return next((point[0] for point in curve if point[3] >= target), None)
 
 
 def summary_lines(rows: list[dict]) -> list[str]:
-    finals = [r for r in rows if r["phase"] == "final"]
     lines = []
-    for dataset, alpha, trainable, budget in sorted({(r["dataset"], r["alpha"], r["trainable"], r["budget"])
-                                                     for r in finals}):
-        group = [r for r in finals if (r["dataset"], r["alpha"], r["trainable"], r["budget"])
-                 == (dataset, alpha, trainable, budget)]
+    for (dataset, alpha, trainable, budget), group in by_setting([r for r in rows if r["phase"] == "final"]).items():
         by_row: dict[str, list[dict]] = {}
         for r in group:
             by_row.setdefault(r["row"], []).append(r)
@@ -273,11 +274,8 @@ def figures(rows: list[dict]) -> list[str]:
     """One figure per setting: the final rows (test subset), or while there are none, each row's chosen tuning
     run (validation); returns the markdown that shows them."""
     lines = []
-    chosen = choices({"rows": {str(i): r for i, r in enumerate(rows)}})
-    for dataset, alpha, trainable, budget in sorted({(r["dataset"], r["alpha"], r["trainable"], r["budget"])
-                                                     for r in rows}):
-        same = [r for r in rows if (r["dataset"], r["alpha"], r["trainable"], r["budget"])
-                == (dataset, alpha, trainable, budget)]
+    chosen = choices({"rows": dict(enumerate(rows))})
+    for (dataset, alpha, trainable, budget), same in by_setting(rows).items():
         finals = [r for r in same if r["phase"] == "final"]
         if finals:
             picked, what = finals, "final rows, test subset"
@@ -285,7 +283,7 @@ def figures(rows: list[dict]) -> list[str]:
             picked = [r for r in same if r["phase"] == "tune"
                       and (r["lr"], r["server_factor"]) == tuple(chosen[setting_key(
                           dataset, trainable, budget, r["row"])][k] for k in ("lr", "server_factor"))]
-            picked, what = picked, "tuning runs at each row's chosen point, validation, one seed"
+            what = "tuning runs at each row's chosen point, validation, one seed"
         groups: dict[str, list[dict]] = {}
         for r in picked:
             groups.setdefault(r["row"], []).append(r)
@@ -340,7 +338,7 @@ def main() -> None:
         print("skipped: ../shared/data not found (set ZOFED_SHARED_DATA to a folder holding sst2/, agnews/, mr/)")
         return
     table["meta"] = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
-                     "common": COMMON, "trainable_sets": TRAINABLE, "cached": CACHED, "rows": ROWS}
+                     "common": COMMON, "trainable_sets": TRAINABLE, "rows": ROWS}
     chosen = choices(table)
     pending = []
     for dataset in args.datasets:
@@ -361,14 +359,8 @@ def main() -> None:
                         if row_key(args.phase, row, args.trainable, dataset, alpha, seed, lr, factor, args.budget)
                         not in table["rows"]]
     print(f"{len(pending)} runs to do, {args.jobs} at a time", flush=True)
-    for key, row in run_rows(_process, pending, row_key, args.jobs, args.threads):
-        if isinstance(row, BaseException):
-            print(f"run {key} failed: {row!r}", file=sys.stderr, flush=True)
-            continue
-        table["rows"][key] = row
-        write_atomic_text(path, json.dumps(table, indent=2))
-        write_report(table)
-        print(json.dumps({k: v for k, v in row.items() if k != "curve"}), flush=True)
+    record_rows(run_rows(_process, pending, row_key, args.jobs, args.threads), table, path,
+                lambda: write_report(table), "curve")
 
 
 if __name__ == "__main__":

@@ -1,19 +1,25 @@
-"""Benchmark rows in fresh processes, a few at a time, reported as they finish.
+"""Benchmark rows in fresh processes, a few at a time, recorded as they finish.
 
 Every row runs in its own spawned process, so its peak memory is its own and not the heaviest earlier row's;
 a row that fails is reported with its exception and the others go on. A row's process ends with the benchmark
-that spawned it.
+that spawned it. `record_rows` stores each finished row in the benchmark's JSON table and rewrites its report,
+so a matrix fills over sittings and an interrupted sitting keeps every row that finished.
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
 from typing import Any
+
+from zofed.run.checkpoint import write_atomic_text
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -38,3 +44,22 @@ def run_rows(work: Callable[..., dict], pending: Sequence[tuple], key: Callable[
         for future in as_completed(futures):
             error = future.exception()
             yield futures[future], error if error is not None else future.result()
+
+
+def record_rows(rows: Iterator[tuple[str, dict | BaseException]], table: dict, path: Path,
+                report: Callable[[], None], hidden: str) -> None:
+    """Store each finished row in `table["rows"]`, write the table to `path` and call `report`, printing the row
+    without its `hidden` field (a curve); a failed row is reported and the others go on. Exits with an error
+    naming the failed rows once all are done."""
+    failed = []
+    for key, row in rows:
+        if isinstance(row, BaseException):
+            failed.append(key)
+            print(f"row {key} failed, the others go on: {type(row).__name__}: {row}", file=sys.stderr, flush=True)
+            continue
+        table["rows"][key] = row
+        write_atomic_text(path, json.dumps(table, indent=2))
+        report()
+        print(json.dumps({k: v for k, v in row.items() if k != hidden}), flush=True)
+    if failed:
+        sys.exit(f"{len(failed)} rows failed: {', '.join(failed)}")
