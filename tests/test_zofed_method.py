@@ -16,16 +16,17 @@ from zofed.fl.personal import (
     check_distribution,
     client_distribution,
     draw_block,
+    draw_blocks,
     expected_update_square,
     step_perturbation,
     tensor_blocks,
 )
 from zofed.fl.plan import FederationPlan, LocalTraining
-from zofed.fl.protocol import decode, message_nbytes
+from zofed.fl.protocol import decode, message_nbytes, step_seeds
 from zofed.fl.roles import ClientRole, ServerRole
 from zofed.fl.server import RoundInbox, rebuild_client_update
 from zofed.fl.server_opt import make_server_optimizer as ServerOptimizer
-from zofed.zo.noise import derive_seed
+from zofed.zo.noise import chunk_bounds, derive_seed
 from zofed.zo.perturb import add_directions_
 
 
@@ -354,3 +355,51 @@ def test_shared_seeds_couple_the_clients_draws_and_are_rebuilt_exactly():
         assert_rebuilt_exactly(start, update, final, round_plan, pis[c])
     private = replace(round_plan, shared_seeds=0)
     assert run_client(ctx, start, 1, toy_clients()[1], private, pis[1])[0].base_seed != updates[1][0].base_seed
+
+
+def _round_of_contributions(num_clients: int, shared: bool):
+    """One zofed round of `num_clients` clients with personal pis, as the server's contributions."""
+    ctx = toy_context()
+    plan = FederationPlan("zofed", num_clients, num_clients, 3, lr=1e-2, eps=1e-2, run_seed=5, batch_size=8,
+                          sampling=BlockSampling(shared_seeds=shared))
+    server = ServerRole(plan, ctx.trainable.tensors(), ctx.trainable.masks,
+                        ServerOptimizer("adam", 1e-2, granularity="tensor"))
+    local = server.round_plan(0)
+    start = [t.clone() for t in server.tensors]
+    n = len(start)
+    for c in range(num_clients):  # each client leans on its own blocks, so the pis differ
+        server.method_state.stats.record(c, list(range(n)), [float(1 + (b * 7 + c) % 5) for b in range(n)])
+    pis = {c: server.send_state(local, c) for c in range(num_clients)}
+    clients = toy_clients(num_clients, size=120)
+    updates = [run_client(ctx, start, c, clients[c], local, pis[c])[0] for c in range(num_clients)]
+    return start, local, pis, updates, [server.contribution(u, local) for u in updates]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_mean_regenerates_each_shared_seed_once_per_tensor(shared):
+    """With shared seeds the mean sums coefficients per (seed, tensor) across clients before regenerating: the
+    noise made does not grow with the clients. With private seeds every step is regenerated on its own, and the
+    result equals the sum of the clients' exact rebuilds added one step at a time."""
+    from unittest import mock
+
+    from zofed.fl.aggregate import WeightedMean
+    from zofed.zo.noise import NoiseSource
+
+    start, local, pis, updates, contributions = _round_of_contributions(6, shared)
+    with mock.patch.object(NoiseSource, "chunk", autospec=True, side_effect=NoiseSource.chunk) as chunk:
+        mean = WeightedMean().update(start, contributions, {})[0]
+    steps = local.local_steps * len(updates)
+    total = sum(u.num_examples for u in updates)
+    expected = [torch.zeros_like(t) for t in start]
+    for u in updates:
+        for e, r in zip(expected, rebuild(start, u, local, pis[u.client_id]), strict=True):
+            e.add_(r, alpha=u.num_examples / total)
+    flat = torch.cat([m.reshape(-1) for m in mean])
+    flat_expected = torch.cat([e.reshape(-1) for e in expected])
+    assert flat_expected.norm() > 0
+    assert float((flat - flat_expected).norm() / flat_expected.norm()) <= 1e-5
+    # one regeneration (per chunk) for each distinct (seed, drawn block): shared seeds make clients coincide
+    pairs = {(seed, b) for u in updates for seed, b in zip(step_seeds(u), draw_blocks(step_seeds(u), pis[u.client_id]),
+                                                           strict=True)}
+    assert chunk.call_count == sum(len(list(chunk_bounds(start[b].numel()))) for _, b in pairs)
+    assert (len(pairs) < steps) if shared else (len(pairs) == steps)

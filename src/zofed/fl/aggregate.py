@@ -11,13 +11,15 @@ densely, and one that needs each client's update (a median, a clipped mean) can 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from zofed.fl.methods.base import Directions
-from zofed.zo.perturb import add_directions_
+from zofed.zo.noise import NoiseSource
+from zofed.zo.perturb import Perturbation, add_directions_
 
 
 @dataclass(frozen=True)
@@ -43,9 +45,13 @@ class Contribution:
 class WeightedMean:
     """The example-weighted mean of the clients' updates, streamed into one accumulator.
 
-    Terms under equal perturbations (`Perturbation.pool_key`: every step of a method whose steps all perturb
-    alike) are pooled across clients and added in one pass, which merges terms that share a seed: a direction is
-    regenerated once however many clients used it, and memory never grows with the number of clients."""
+    Terms under perturbations that differ at most in their per-tensor scales (`Perturbation.noise_key`: zofed's
+    one-block steps, or every step of a method whose steps all perturb alike) are pooled across clients as one
+    coefficient per (seed, tensor), so a seed's noise is regenerated once per tensor however many clients used it:
+    when a round's clients share their seeds, the rebuild costs seeds x trainable values, not clients x steps.
+    Without shared seeds nothing merges and each term is added on its own, in the same order and with the same
+    floating-point products as one client at a time. Memory never grows with the number of clients beyond one
+    coefficient row per distinct seed."""
 
     name: str = "mean"
 
@@ -58,7 +64,10 @@ class WeightedMean:
             raise ValueError("no accepted client update to aggregate")
         total = sum(c.num_examples for c in contributions)
         mean = [torch.zeros_like(t) for t in like]
-        pooled: dict[Any, Directions] = {}  # pool key (or a fresh one for a per-step perturbation) -> terms
+        ones = np.ones(len(like))
+        # noise key -> (the perturbation without scales, seed -> coefficient per tensor), in first-use order
+        pooled: dict[tuple, tuple[Perturbation, dict[int, np.ndarray]]] = {}
+        tilted: list[Directions] = []  # a momentum tilt adds a term of its own besides the noise: not pooled
         for c in contributions:
             weight = c.num_examples / total
             if c.dense is not None:
@@ -66,9 +75,23 @@ class WeightedMean:
                     m.add_(d, alpha=weight)
                 continue
             for pert, terms in c.directions:
-                key = pert.pool_key() or object()
-                pooled.setdefault(key, (pert, []))[1].extend((s, coeff * weight) for s, coeff in terms)
-        for pert, terms in pooled.values():  # in first-use order
+                key = pert.noise_key()
+                if key is None:
+                    tilted.append((pert, [(s, coeff * weight) for s, coeff in terms]))
+                    continue
+                scales = ones if pert.scales is None else np.asarray(pert.scales, dtype=np.float64)
+                rows = pooled.setdefault(key, (replace(pert, scales=None), {}))[1]
+                for seed, coeff in terms:
+                    row = rows.get(seed)
+                    if row is None:
+                        rows[seed] = (coeff * weight) * scales
+                    else:
+                        row += (coeff * weight) * scales
+        for pert, rows in pooled.values():
+            source = NoiseSource(pert.kind, device=mean[0].device if mean else "cpu")
+            for seed, row in rows.items():
+                add_directions_(mean, [(seed, 1.0)], replace(pert, scales=row.tolist()), source)
+        for pert, terms in tilted:
             add_directions_(mean, terms, pert)
         return mean, state
 

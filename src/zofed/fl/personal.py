@@ -23,6 +23,7 @@ sent with the downlink: z = (u_b + w m_b / rms(m_b)) / sqrt(pi_b). The server re
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -182,26 +183,45 @@ def check_distribution(pi: np.ndarray, num_blocks: int) -> None:
         raise ValueError("block distribution must be finite, non-negative and sum to 1")
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _block_uniform(step_seed: int) -> float:
+    """The uniform number behind a step's block draw (cached: the server draws each step's block again, and
+    clients that share a round's seeds all draw with the same number)."""
+    return float(np.random.default_rng(derive_seed(step_seed, streams.BLOCK_DRAW)).random())
+
+
+def draw_blocks(step_seeds: Sequence[int], pi: np.ndarray) -> list[int]:
+    """The block each step perturbs: a deterministic function of (step seed, pi) that client and server share."""
+    cdf = np.cumsum(pi, dtype=np.float64)
+    targets = np.array([_block_uniform(int(s)) for s in step_seeds], dtype=np.float64) * cdf[-1]
+    return np.minimum(np.searchsorted(cdf, targets, side="right"), len(pi) - 1).tolist()
+
+
 def draw_block(step_seed: int, pi: np.ndarray) -> int:
-    """The block a step perturbs: a deterministic function of (step seed, pi) that client and server share."""
-    u = np.random.default_rng(derive_seed(step_seed, streams.BLOCK_DRAW)).random()
-    cdf = np.cumsum(pi.astype(np.float64))
-    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(pi) - 1))
+    """The block one step perturbs (`draw_blocks` for one seed)."""
+    return draw_blocks([step_seed], pi)[0]
+
+
+def block_perturbation(block: int, pi: np.ndarray, kind: str = "rademacher",
+                       masks: Sequence[torch.Tensor | None] | None = None,
+                       tilt: MomentumTilt | None = None, layout: np.ndarray | None = None) -> Perturbation:
+    """The perturbation of a step that drew `block`: that block's noise scaled by 1/sqrt(pi_b), every other
+    block left alone. `layout` maps each tensor to its block (None: one block per tensor)."""
+    layout = np.arange(len(pi)) if layout is None else layout
+    scale = float(1.0 / np.sqrt(np.float64(pi[block])))
+    scales = np.where(layout == block, scale, 0.0).tolist()
+    pert = Perturbation(kind=kind, scales=scales, masks=masks)
+    if tilt is not None and tilt.weight != 0.0:
+        pert = replace(pert, momentum=tilt.buffers, momentum_weight=tilt.weight, momentum_rms=tilt.rms())
+    return pert
 
 
 def step_perturbation(step_seed: int, pi: np.ndarray, kind: str = "rademacher",
                       masks: Sequence[torch.Tensor | None] | None = None,
                       tilt: MomentumTilt | None = None, layout: np.ndarray | None = None) -> tuple[Perturbation, int]:
-    """The perturbation of one step (one block, scaled by 1/sqrt(pi_b)) and the block it chose.
-    `layout` maps each tensor to its block (None: one block per tensor)."""
+    """The perturbation of one step and the block it drew."""
     b = draw_block(step_seed, pi)
-    layout = np.arange(len(pi)) if layout is None else layout
-    scale = float(1.0 / np.sqrt(np.float64(pi[b])))
-    scales = [scale if block == b else 0.0 for block in layout.tolist()]
-    pert = Perturbation(kind=kind, scales=scales, masks=masks)
-    if tilt is not None and tilt.weight != 0.0:
-        pert = replace(pert, momentum=tilt.buffers, momentum_weight=tilt.weight, momentum_rms=tilt.rms())
-    return pert, b
+    return block_perturbation(b, pi, kind, masks, tilt, layout), b
 
 
 def probe_energy(grad: float, pi: np.ndarray, block: int) -> float:

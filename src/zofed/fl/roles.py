@@ -13,6 +13,7 @@ server's whole state (global tensors, optimizer, aggregator and method state) is
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,6 +54,7 @@ class ServerRole:
         self.num_trainable = sum(t.numel() for t in self.tensors)
         self.method_state = self.method.init_state(self)
         self._sent: dict[int, np.ndarray] = {}  # each client's server state this round, for its rebuild
+        self.last_seconds: dict[str, float] = {}  # the last aggregate's time by phase (rebuild, observe, optimizer)
 
     def round_plan(self, round_id: int) -> LocalTraining:
         return self.plan.round(round_id)
@@ -60,11 +62,15 @@ class ServerRole:
     def sample(self, round_id: int) -> list[int]:
         return sample_clients(self.plan.run_seed, round_id, self.plan.num_clients, self.plan.clients_per_round)
 
-    def downlink(self, local: LocalTraining, client_id: int) -> bytes:
-        """The encoded message that starts `client_id`'s round: weights, the round plan, the method's state."""
+    def send_state(self, local: LocalTraining, client_id: int) -> np.ndarray:
+        """The method's state for `client_id` this round, kept to rebuild the client's uplink with."""
         state = self.method.server_state(self, local, client_id)
         self._sent[client_id] = np.zeros(0, np.float32) if state is None else np.asarray(state, np.float32)
-        return encode(broadcast(local.round_id, self.tensors, local.to_config(), self._sent[client_id]))
+        return self._sent[client_id]
+
+    def downlink(self, local: LocalTraining, client_id: int) -> bytes:
+        """The encoded message that starts `client_id`'s round: weights, the round plan, the method's state."""
+        return encode(broadcast(local.round_id, self.tensors, local.to_config(), self.send_state(local, client_id)))
 
     def receive(self, inbox: RoundInbox, local: LocalTraining, client_id: int, data: bytes) -> None:
         receive(inbox, data, local.round_id, client_id, local, self.num_trainable, self.method.dense_uplink)
@@ -80,12 +86,18 @@ class ServerRole:
     def aggregate(self, local: LocalTraining, inbox: RoundInbox) -> None:
         """Aggregate the accepted updates, let the method learn from them, apply the server optimizer.
         A round with no accepted update keeps the model."""
+        times = [time.perf_counter()]
         if inbox.accepted:
             contributions = [self.contribution(u, local) for u in inbox.accepted]
             delta, self.agg_state = self.aggregator.update(self.tensors, contributions, self.agg_state)
+            times.append(time.perf_counter())
             extras = self.method.observe(self, local, inbox.accepted, self._sent, delta)
+            times.append(time.perf_counter())
             self.opt_state = self.optimizer.apply(self.tensors, self.opt_state, delta, **extras)
+            times.append(time.perf_counter())
         self._sent.clear()
+        phases = ("rebuild", "observe", "optimizer")
+        self.last_seconds = {p: b - a for p, a, b in zip(phases, times, times[1:], strict=False)}
 
     def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """The server's state besides the global tensors, as checkpoint files of named tensors."""

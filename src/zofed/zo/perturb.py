@@ -39,6 +39,15 @@ class Perturbation:
         return (self.kind, None if self.masks is None else id(self.masks),
                 None if self.precondition is None else id(self.precondition))
 
+    def noise_key(self) -> tuple | None:
+        """Perturbations with equal keys differ at most in their per-tensor scales, so a term under one is a term
+        under the other with its coefficient times the scale ratio: an aggregator can sum coefficients per seed
+        and tensor across clients and regenerate each seed's noise once. None with a momentum tilt."""
+        if self.momentum is not None:
+            return None
+        return (self.kind, None if self.masks is None else id(self.masks),
+                None if self.precondition is None else id(self.precondition))
+
     def scale(self, i: int) -> float:
         return 1.0 if self.scales is None else float(self.scales[i])
 

@@ -22,14 +22,13 @@ from zofed.fl.personal import (
     BlockSampling,
     BlockStats,
     MomentumTilt,
+    block_perturbation,
     block_sizes,
     check_distribution,
     client_distribution,
-    draw_block,
+    draw_blocks,
     expected_update_square,
     global_energy,
-    probe_energy,
-    step_perturbation,
     tensor_blocks,
 )
 from zofed.fl.plan import LocalTraining
@@ -59,10 +58,10 @@ class BlockState:
 
 def block_probes(update: ClientUpdate, pi: np.ndarray) -> tuple[list[int], list[float]]:
     """The blocks a client's steps drew and their energy estimates pi_b g^2 (mean over queries)."""
-    blocks = [draw_block(int(s), pi) for s in step_seeds(update)]
-    energies = [float(np.mean([probe_energy(g, pi, b) for g in row])) for b, row in zip(blocks, update.grads,
-                                                                                   strict=True)]
-    return blocks, energies
+    blocks = draw_blocks(step_seeds(update), pi)
+    # pi_b g^2 (personal.probe_energy) for every query, averaged per step
+    energies = (pi.astype(np.float64)[blocks][:, None] * update.grads.astype(np.float64) ** 2).mean(axis=1)
+    return blocks, energies.tolist()
 
 
 class Zofed(Method):
@@ -89,7 +88,7 @@ class Zofed(Method):
         pi = server_state[:num_blocks]
         check_distribution(pi, num_blocks)
         tilt = MomentumTilt.from_flat(server_state[num_blocks:], like, local.tilt) if local.tilt else None
-        return [step_perturbation(seed, pi, local.noise, masks, tilt, layout)[0] for seed in seeds]
+        return [block_perturbation(b, pi, local.noise, masks, tilt, layout) for b in draw_blocks(seeds, pi)]
 
     def init_state(self, server: ServerRole) -> BlockState:
         sampling = server.plan.sampling
