@@ -345,6 +345,54 @@ def test_smollm2_corrupt_cache_is_rebuilt(
     assert "Paris" in _next_token(loaded, "The capital of France is")
 
 
+@pytest.mark.integration
+@requires_smollm2
+def test_a_gguf_file_is_a_model_for_every_command(smollm2_cache: Path, offline: None, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--model path/to/file.gguf`: dequantized once into a checksummed cache of its own (here from the packaged
+    SmolLM2 file, so it must equal the built-in's cache), then a run trains and evaluates on it."""
+    from typer.testing import CliRunner
+
+    from zofed.cli import app
+
+    shutil.copytree(smollm2_cache / "models", tmp_path / "models")
+    monkeypatch.setenv("ZOFED_CACHE", str(tmp_path))
+    builtin = BUILTIN_MODELS[SMOLLM2]
+    gguf = registry._package_dir(builtin) / builtin.gguf_file
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, [
+        "finetune", str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"), "--model", str(gguf),
+        "--out", str(out), "--steps", "1", "--set", "data.eval_examples=8", "--set", "data.test_examples=16",
+        "--set", "train.batch_size=4", "--set", "train.eval_every=1", "--set", "train.checkpoint_every=1"])
+    assert result.exit_code == 0, result.output
+    results = json.loads((out / "results.json").read_text())
+    assert results["test_examples"] == 16 and 0.0 <= results["test"]["accuracy"] <= 1.0
+    (cache,) = (tmp_path / "models").glob(f"gguf-{gguf.stem}-*")
+    manifest = json.loads((cache / MANIFEST_NAME).read_text())
+    assert manifest["source"]["file"] == str(gguf.resolve())
+    builtin_manifest = json.loads((tmp_path / "models" / SMOLLM2 / MANIFEST_NAME).read_text())
+    assert manifest["files"]["model.safetensors"] == builtin_manifest["files"]["model.safetensors"]
+    before = (cache / MANIFEST_NAME).stat().st_mtime_ns
+    assert resolve_model_dir(str(gguf)) == cache and (cache / MANIFEST_NAME).stat().st_mtime_ns == before
+
+
+def test_a_file_that_is_not_a_readable_gguf_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ZOFED_CACHE", str(tmp_path / "cache"))
+    renamed = tmp_path / "weights.gguf"
+    renamed.write_bytes(b"PK\x03\x04 a zip archive, not a GGUF file")
+    with pytest.raises(ModelLoadError, match=r"weights.gguf is not a GGUF file \(it starts with b'PK"):
+        load_model(str(renamed))
+    other = tmp_path / "notes.txt"
+    other.write_text("hello")
+    with pytest.raises(ModelLoadError, match="notes.txt is a file but not a GGUF file"):
+        load_model(str(other))
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 21)  # the magic, then a cut-off header
+    with pytest.raises(ModelLoadError, match="transformers cannot read .*truncated.gguf"):
+        load_model(str(truncated))
+    assert not [p for p in (tmp_path / "cache" / "models").iterdir() if not p.name.endswith(".lock")]
+
+
 @requires_smollm2
 def test_unwritable_cache_is_a_model_load_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     blocker = tmp_path / "a-file"

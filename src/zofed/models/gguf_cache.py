@@ -49,9 +49,37 @@ _gguf_patch_lock = threading.Lock()
 
 
 def gguf_cache(name: str, builtin: BuiltinModel, gguf: Path) -> Path:
-    """The directory of `name`'s verified fp32 cache, built from `gguf` first if missing or corrupt."""
+    """The directory of built-in `name`'s verified fp32 cache, built from `gguf` first if missing or corrupt."""
+    return _cache_of(name, gguf, _gguf_source_info(builtin, gguf))
+
+
+def gguf_file_cache(gguf: Path) -> Path:
+    """The verified fp32 cache of a user's GGUF file (`--model path/to/file.gguf`), built once per file: the
+    cache is named by the file's path and rebuilt when its size or modification time change."""
+    gguf = gguf.resolve()
+    if not is_gguf(gguf):
+        with gguf.open("rb") as handle:
+            start = handle.read(4)
+        raise ModelLoadError(f"{gguf} is not a GGUF file (it starts with {start!r}, a GGUF file with b'GGUF'); "
+                             f"a model is a built-in name, a directory written by save_pretrained, a GGUF file "
+                             f"or a hub id")
+    stat = gguf.stat()
+    source = {"file": str(gguf), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    key = hashlib.sha256(str(gguf).encode()).hexdigest()[:12]
+    return _cache_of(f"gguf-{gguf.stem}-{key}", gguf, source)
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether `path` is a file that starts with GGUF's magic bytes."""
+    try:
+        with path.open("rb") as handle:
+            return handle.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def _cache_of(name: str, gguf: Path, source: dict) -> Path:
     target = cache_dir() / "models" / name
-    source = _gguf_source_info(builtin, gguf)
     problem = _cache_problem(target, source)
     if problem is None:
         return target
@@ -172,16 +200,22 @@ def _build_gguf_cache(gguf: Path, target: Path, source: dict) -> None:
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         staging.chmod(0o755)  # mkdtemp makes it private; the cache may be shared through $ZOFED_CACHE
-        with _parse_gguf_once():
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            # dequantize=True: newer transformers may otherwise keep GGUF blocks packed in custom layers,
-            # whose state_dict would not be plain weights.
-            gguf_model = AutoModelForCausalLM.from_pretrained(
-                gguf.parent,
-                gguf_file=gguf.name,
-                dtype=torch.float32,
-                quantization_config=GgufConfig(dequantize=True),
-            )
+        try:
+            with _parse_gguf_once():
+                tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+                # dequantize=True: newer transformers may otherwise keep GGUF blocks packed in custom layers,
+                # whose state_dict would not be plain weights.
+                gguf_model = AutoModelForCausalLM.from_pretrained(
+                    gguf.parent,
+                    gguf_file=gguf.name,
+                    dtype=torch.float32,
+                    quantization_config=GgufConfig(dequantize=True),
+                )
+        except OSError:
+            raise
+        except Exception as error:  # a truncated file, an unknown architecture or quantization: each its own type
+            raise ModelLoadError(f"transformers cannot read {gguf} as a causal LM to dequantize: "
+                                 f"{type(error).__name__}: {error}") from error
         gguf_model.eval()
         probe = tokenizer(_PROBE_TEXT, return_tensors="pt")
         with torch.no_grad():
@@ -259,7 +293,8 @@ def _check_built_cache(
     reloaded = AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32).eval()
     problems = []
     head, embed = reloaded.get_output_embeddings(), reloaded.get_input_embeddings()
-    if not torch.equal(head.weight, embed.weight):
+    tied = getattr(reloaded.config.get_text_config(), "tie_word_embeddings", False)
+    if tied and not torch.equal(head.weight, embed.weight):
         problems.append("lm_head weight differs from embed_tokens after reload (tied embeddings lost)")
     with torch.no_grad():
         got = reloaded(**probe).logits[0, -1]

@@ -6,6 +6,7 @@ Three kinds of names are understood:
   network at all. SmolLM2 ships as a Q4_1 GGUF; it is dequantized once into an fp32 safetensors cache
   under ``cache_dir()``, because converting the GGUF takes ~15 s (2 cores) while the cache loads in ~1 s.
 * a local directory holding ``config.json`` and the weights, as written by ``save_pretrained``.
+* a local GGUF file (any architecture transformers can dequantize), cached in fp32 like the built-in SmolLM2.
 * a Hugging Face hub id, downloaded (or taken from the hub's own cache) with ``huggingface_hub``.
 
 Every model comes back in fp32, in eval mode, on the CPU, with a tokenizer that pads on the right.
@@ -31,7 +32,7 @@ from zofed.models.catalog import (
     builtin_model_names,
     cache_dir,
 )
-from zofed.models.gguf_cache import gguf_cache
+from zofed.models.gguf_cache import gguf_cache, gguf_file_cache, is_gguf
 
 # transformers is imported inside the functions that use it: it adds ~2-4 s to `import zofed.models`,
 # which the CLI and config validation (builtin_model_names, cache_dir) should not pay.
@@ -82,9 +83,12 @@ def resolve_model_dir(name: str) -> Path:
                 f"save_pretrained (config.json, the weights and the tokenizer files)"
             )
         return path.resolve()
+    if path.is_file() and (path.suffix.lower() == ".gguf" or is_gguf(path)):
+        return gguf_file_cache(path)
     if path.exists():
         raise ModelLoadError(
-            f"{path} is a file; a model must be a directory holding config.json and the weights"
+            f"{path} is a file but not a GGUF file; a model must be a GGUF file or a directory holding "
+            f"config.json and the weights"
         )
     if _looks_like_path(name):
         raise ModelLoadError(
