@@ -90,3 +90,12 @@ def test_a_validation_split_is_carved_from_training_data_and_can_stand_in_for_th
     assert [f["text"] for f in train2.fields] == [f["text"] for f in train.fields]  # the same carve both times
     with pytest.raises(ConfigError, match="needs data.validation_examples"):
         load_config(None, [*base, "data.evaluate_on=validation"], schema=FinetuneConfig)
+
+
+def test_device_dtype_and_gpu_share_are_checked_where_they_are_read(tmp_path):
+    config = load_config(None, ["model.dtype=bfloat16", "flower.client_gpus=0.25"], schema=FederatedConfig)
+    assert (config.model.device, config.model.dtype, config.flower.client_gpus) == ("auto", "bfloat16", 0.25)
+    with pytest.raises(ConfigError, match="model.dtype"):
+        load_config(None, ["model.dtype=int8"], schema=FinetuneConfig)
+    with pytest.raises(ConfigError, match="flower.client_gpus"):
+        load_config(None, ["flower.client_gpus=-1"], schema=FederatedConfig)

@@ -11,9 +11,11 @@ from zofed.models.tiny import tiny_causal_lm
 WORDS = ["good", "great", "bad", "awful"]
 
 
-def toy_context(vocab_size: int = 64, seed: int = 0, mode: str = "all", num_layers: int = 2) -> ClientContext:
+def toy_context(vocab_size: int = 64, seed: int = 0, mode: str = "all", num_layers: int = 2,
+                patterns: list[str] | None = None) -> ClientContext:
     tiny = tiny_causal_lm(vocab_size=vocab_size, seed=seed, num_layers=num_layers)
-    model, trainable = select_trainable(tiny.model, TrainableConfig(mode=mode, lora_r=2))
+    config = TrainableConfig(mode="patterns", patterns=patterns) if patterns else TrainableConfig(mode=mode, lora_r=2)
+    model, trainable = select_trainable(tiny.model, config)
     rng = np.random.default_rng(0)
     labels = rng.integers(0, 2, size=120)
     texts = [f"the movie was {WORDS[2 * (1 - lab) + int(rng.integers(2))]} w{int(rng.integers(20))}" for lab in labels]

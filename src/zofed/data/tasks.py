@@ -57,6 +57,11 @@ class Batch:
     attention_mask: torch.Tensor
     labels: torch.Tensor  # class indices, or token targets with -100 for causal-lm
 
+    def to(self, device: torch.device) -> Batch:
+        if self.input_ids.device == device:
+            return self
+        return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.labels.to(device))
+
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model inside a peft wrapper (LoRA layers are injected in place, so it runs them)."""
@@ -90,6 +95,7 @@ class Task:
 
     # A classification template that reads no field gives every example the same input: nothing to learn.
     template_needs_a_field = True
+    device = torch.device("cpu")  # where batches are made: the model's device (run/setup.py sets it)
 
     def __init__(self, tokenizer, config: TaskConfig) -> None:
         self.tokenizer = tokenizer
@@ -130,7 +136,7 @@ class Task:
             ids[k, : len(r)] = torch.tensor(r)
             mask[k, : len(r)] = 1
         labels = torch.as_tensor(data.labels[list(indices)])
-        return Batch(ids, mask, labels)
+        return Batch(ids, mask, labels).to(self.device)
 
     def logits(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         raise NotImplementedError
@@ -183,7 +189,8 @@ class PromptClassification(Task):
         read instead of the output embedding: a trainable head that starts as the zero-shot classifier. The copy
         leaves a tied input embedding alone, and it is tiny (classes x 576 values on SmolLM2), so ZO moves it fast."""
         lm = _unwrap(model)
-        rows = lm.get_output_embeddings().weight[self.label_token_ids].detach().clone().float()
+        weight = lm.get_output_embeddings().weight
+        rows = weight[self.label_token_ids.to(weight.device)].detach().clone().float()
         lm.register_parameter(LABEL_HEAD, torch.nn.Parameter(rows.contiguous(), requires_grad=False))
 
     def logits(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
@@ -207,12 +214,13 @@ class PromptClassification(Task):
         """Label-word logits at each row's last position, from the backbone's last hidden state."""
         lm = _unwrap(model)
         last = batch.attention_mask.sum(1) - 1
-        h = hidden[torch.arange(hidden.shape[0]), last]
+        h = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
         head = lm.get_output_embeddings()
         rows = getattr(lm, LABEL_HEAD, None)
-        out = h @ (rows if rows is not None else head.weight[self.label_token_ids]).T
+        ids = self.label_token_ids.to(h.device)
+        out = h @ (rows if rows is not None else head.weight[ids]).to(h.dtype).T  # a narrowed head widens here
         if getattr(head, "bias", None) is not None:
-            out = out + head.bias[self.label_token_ids]
+            out = out + head.bias[ids]
         return out
 
 
@@ -255,7 +263,7 @@ class CausalLM(Task):
             ids[k, : len(r)] = torch.tensor(r)
             mask[k, : len(r)] = 1
             labels[k, data.prompt_lengths[i]: len(r)] = torch.tensor(r[data.prompt_lengths[i]:])
-        return Batch(ids, mask, labels)
+        return Batch(ids, mask, labels).to(self.device)
 
     def loss_tensor(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits

@@ -53,7 +53,7 @@ def local_batch(ctx: ClientContext, local: LocalTraining, client_id: int, indice
 def dense_update(round_id: int, client_id: int, queries: int, num_examples: int, metrics: dict[str, float],
                  final: Sequence[torch.Tensor], start: Sequence[torch.Tensor]) -> ClientUpdate:
     """An uplink carrying the whole update (final - start) as one float32 vector."""
-    dense = torch.cat([(f - s).reshape(-1) for f, s in zip(final, start, strict=True)]).numpy()
+    dense = torch.cat([(f - s).reshape(-1) for f, s in zip(final, start, strict=True)]).cpu().numpy()
     return ClientUpdate(round_id, client_id, np.zeros(0, np.uint64), None, np.zeros((0, queries), np.float32),
                         num_examples, metrics, dense.astype(np.float32))
 

@@ -67,7 +67,7 @@ class MomentumTilt:
 
     @classmethod
     def from_flat(cls, flat: np.ndarray, like: Sequence[torch.Tensor], weight: float) -> MomentumTilt:
-        values = torch.from_numpy(np.ascontiguousarray(flat, dtype=np.float32))
+        values = torch.from_numpy(np.ascontiguousarray(flat, dtype=np.float32)).to(like[0].device)
         if values.numel() != sum(t.numel() for t in like):
             raise ValueError(f"momentum for the tilt has {values.numel()} values, the model "
                              f"{sum(t.numel() for t in like)} trainable values")

@@ -45,8 +45,8 @@ class ServerRole:
                  aggregator: Any = None) -> None:
         self.plan = plan
         self.method = get_method(plan.method)
-        self.tensors = [t.detach().clone() for t in tensors]
-        self.masks = masks
+        self.tensors = [t.detach().to("cpu", copy=True) for t in tensors]  # the server computes on the CPU
+        self.masks = None if masks is None else [None if m is None else m.cpu() for m in masks]
         self.optimizer = optimizer or make_server_optimizer()
         self.opt_state = self.optimizer.init(self.tensors)
         self.aggregator = aggregator or WeightedMean()
@@ -109,7 +109,7 @@ class ServerRole:
         return state
 
     def load_state(self, tensors: Sequence[torch.Tensor], state: dict[str, dict[str, torch.Tensor]]) -> None:
-        self.tensors = [t.detach().clone() for t in tensors]
+        self.tensors = [t.detach().to("cpu", copy=True) for t in tensors]  # the server computes on the CPU
         self.opt_state = OptState.from_tensors(state["server_optimizer"])
         if self.method_state is not None:
             self.method_state.load_tensors(state["method"])

@@ -78,7 +78,7 @@ def unflatten(dense: np.ndarray, like: Sequence[torch.Tensor]) -> list[torch.Ten
     flat = torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32))
     out, start = [], 0
     for t in like:
-        out.append(flat[start:start + t.numel()].view_as(t).clone())
+        out.append(flat[start:start + t.numel()].view_as(t).to(t.device, copy=True))
         start += t.numel()
     return out
 
@@ -87,6 +87,6 @@ def broadcast(round_id: int, tensors: Sequence[torch.Tensor], config: dict,
               server_state: np.ndarray | None = None) -> ServerBroadcast:
     """The downlink of a round: the trainable weights, the round plan as config, and `server_state` (what the
     method sends this client, e.g. zofed's block distribution)."""
-    weights = torch.cat([t.reshape(-1) for t in tensors]).numpy().astype(np.float32)
+    weights = torch.cat([t.reshape(-1) for t in tensors]).cpu().numpy().astype(np.float32)
     state = np.zeros(0, np.float32) if server_state is None else server_state.astype(np.float32)
     return ServerBroadcast(round_id, state, weights, config)

@@ -39,7 +39,7 @@ def run_flower_simulation(config: FederatedConfig, *, resume: bool = False, show
     outcome: dict[str, Any] = {}
     server_app = make_server_app(config, resume=resume, console=console, show_progress=show_progress,
                                  outcome=outcome, prepared=run)
-    backend = {"client_resources": {"num_cpus": config.flower.client_cpus, "num_gpus": 0.0}}
+    backend = {"client_resources": {"num_cpus": config.flower.client_cpus, "num_gpus": config.flower.client_gpus}}
     try:
         # One SuperNode per client of the partition (the ServerApp waits for len(run.splits) of them).
         run_simulation(server_app, client_app or make_client_app(config_text(config)),

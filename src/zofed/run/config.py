@@ -35,6 +35,10 @@ class _Section(BaseModel):
 class ModelSection(_Section):
     name: str = "smollm2-135m"
     kind: Literal["causal-lm", "encoder"] | None = None
+    # auto: cuda, else mps, else the CPU; the noise is the same on every device (zo/noise.py)
+    device: str = "auto"
+    # storage of the frozen linear and embedding weights; compute, trainable tensors and the difference stay fp32
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
 class DataSection(_Section):
@@ -227,6 +231,7 @@ class FlowerSection(_Section):
     reply_timeout: float = Field(600.0, gt=0)  # seconds a round waits for its replies; later ones count as missing
     node_timeout: float = Field(120.0, gt=0)  # seconds to wait for every SuperNode to connect
     client_cpus: float = Field(1.0, gt=0)  # simulation: cores each simulated SuperNode holds
+    client_gpus: float = Field(0.0, ge=0)  # simulation: share of a GPU each simulated SuperNode holds (0.25: 4 a GPU)
 
 
 class FederatedConfig(FinetuneConfig):

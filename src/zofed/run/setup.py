@@ -18,6 +18,7 @@ from zofed import streams
 from zofed.data.builtin import BUILTIN_DATASETS, load_builtin, load_shared
 from zofed.data.sources import TextDataset, load_dataset_spec
 from zofed.data.tasks import Encoded, PromptClassification, Task, make_task
+from zofed.models.placement import DTYPES, place_model, resolve_device
 from zofed.models.registry import load_model
 from zofed.models.selection import TrainableParams, select_trainable
 from zofed.run.checkpoint import find_checkpoint, load_checkpoint
@@ -79,6 +80,10 @@ def load_splits(config: FinetuneConfig) -> tuple[TextDataset, TextDataset]:
 
 def build(config: FinetuneConfig) -> Setup:
     """Data, model, trainable selection and task from the config (shared by centralized and federated runs)."""
+    try:
+        device = resolve_device(config.model.device)  # before the slow loads: a missing GPU fails at once
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     train, test = load_splits(config)
     num_classes = len(train.label_names) if train.label_names else None
     kind = config.model.kind or ("encoder" if config.task.type == "encoder-classification" else "causal-lm")
@@ -92,6 +97,10 @@ def build(config: FinetuneConfig) -> Setup:
                               "trainable.also_train")
         task.attach_label_head(loaded.model)
     model, trainable = select_trainable(loaded.model, config.trainable)
+    place_model(model, trainable.params, device, DTYPES[config.model.dtype])
+    if trainable.masks is not None:
+        trainable.masks = [None if m is None else m.to(device) for m in trainable.masks]
+    task.device = device
     model.eval()
     return Setup(config, model, trainable, task, task.encode(train), task.encode(test), train.label_names, train,
                  prefix_cache(config, model, trainable))

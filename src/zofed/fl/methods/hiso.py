@@ -47,7 +47,7 @@ class SecondMoment:
     def precondition(self) -> np.ndarray:
         """p = K^-1/2 normalized to unit root mean square, flat float32 (what the downlink carries)."""
         inv = torch.cat([t.clamp_min(FLOOR).rsqrt() for t in self.k]).double()
-        return (inv / inv.square().mean().sqrt()).float().numpy()
+        return (inv / inv.square().mean().sqrt()).float().cpu().numpy()
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
         return {f"k.{i}": t.contiguous() for i, t in enumerate(self.k)}
@@ -76,13 +76,13 @@ class HiSo(Method):
                              f"({numel}), got {server_state.shape}")
         # Every client of a round is sent the same array: split it once, so the server pools their terms.
         if self._last is None or self._last[0] is not server_state:
-            flat = torch.from_numpy(np.ascontiguousarray(server_state, dtype=np.float32))
+            flat = torch.from_numpy(np.ascontiguousarray(server_state, dtype=np.float32)).to(like[0].device)
             self._last = (server_state, list(torch.split(flat, [t.numel() for t in like])))
         base = Perturbation(kind=local.noise, masks=masks, precondition=self._last[1])
         return [base] * len(seeds)
 
     def init_state(self, server: ServerRole) -> SecondMoment:
-        return SecondMoment([torch.ones(t.numel(), dtype=torch.float32) for t in server.tensors])
+        return SecondMoment([torch.ones(t.numel(), dtype=torch.float32, device=t.device) for t in server.tensors])
 
     def server_state(self, server: ServerRole, local: LocalTraining, client_id: int) -> np.ndarray:
         state: SecondMoment = server.method_state

@@ -106,7 +106,7 @@ class Zofed(Method):
         pi = client_distribution(state.stats, client_id, state.sizes, server.plan.sampling)
         if not local.tilt:
             return pi
-        return np.concatenate([pi, torch.cat(server.opt_state.buffers["m"]).numpy().astype(np.float32)])
+        return np.concatenate([pi, torch.cat(server.opt_state.buffers["m"]).cpu().numpy().astype(np.float32)])
 
     def observe(self, server: ServerRole, local: LocalTraining, accepted: Sequence[ClientUpdate],
                 sent: dict[int, np.ndarray], delta: Sequence[torch.Tensor]) -> dict[str, Any]:
