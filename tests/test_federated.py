@@ -1,5 +1,7 @@
 """Federated ZO on a tiny random-init model: exact reconstruction, aggregation, bad uplinks, determinism."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -199,3 +201,36 @@ def test_a_forward_estimator_client_is_rebuilt_exactly_and_charged_q_plus_one_pa
     server_delta = torch.cat([r.reshape(-1) for r in rebuild(start, update, plan)])
     assert client_delta.norm() > 0 and torch.equal(server_delta, client_delta)
     assert get_method("zo-seeds").forward_passes(plan) == 3 * (3 + 1)  # 3 steps of q + 1 passes
+
+
+@pytest.mark.parametrize("optimizer", ["zo-adam", "zo-sgd-momentum"])
+@pytest.mark.parametrize("method", ["zo-seeds", "zofed"])
+def test_a_stateful_local_optimizer_is_replayed_by_the_server_bit_for_bit(method, optimizer):
+    """Clients may run ZO-Adam or momentum locally from a fresh state each round: the server replays each
+    client's steps with the same optimizer and gets the client's update exactly, and the round's mean is the
+    example-weighted mean of those replays (no pooling: the update is not linear in the steps)."""
+    ctx = toy_context()
+    start = [t.clone() for t in ctx.trainable.tensors()]
+    plan = FederationPlan(method, 3, 3, 4, lr=1e-2, eps=1e-2, batch_size=8, optimizer=optimizer)
+    server = ServerRole(plan, start)
+    local = server.round_plan(0)
+    assert not local.linear_steps and type(local.local_optimizer()).__name__ != "MeZO"
+    states = {c: server.send_state(local, c) for c in range(3)}
+    runs = {c: run_client(ctx, start, c, toy_clients(3)[c], local, states[c]) for c in range(3)}
+    for c, (update, final) in runs.items():
+        client_delta = torch.cat([(f - s).reshape(-1) for f, s in zip(final, start, strict=True)])
+        replayed = torch.cat([r.reshape(-1) for r in rebuild(start, update, local, states[c])])
+        assert client_delta.norm() > 0 and torch.equal(replayed, client_delta)
+    mezo = replace(local, optimizer="mezo")  # the same scalars replayed as MeZO steps move elsewhere
+    update = runs[0][0]
+    assert not torch.equal(torch.cat([r.reshape(-1) for r in rebuild(start, update, mezo, states[0])]),
+                           torch.cat([r.reshape(-1) for r in rebuild(start, update, local, states[0])]))
+    contributions = [server.contribution(u, local) for u, _ in runs.values()]
+    assert all(c.dense is not None and not c.directions for c in contributions)
+    mean = WeightedMean().update(start, contributions, {})[0]
+    total = sum(u.num_examples for u, _ in runs.values())
+    expected = [torch.zeros_like(t) for t in start]
+    for u, final in runs.values():
+        for e, f, s in zip(expected, final, start, strict=True):
+            e.add_(f - s, alpha=u.num_examples / total)
+    assert all(torch.equal(m, e) for m, e in zip(mean, expected, strict=True))

@@ -53,6 +53,20 @@ def test_resumed_federated_run_ends_bit_identical(tiny_workspace, tmp_path):
     assert logs["split"][0] == logs["whole"][0]  # the resumed sitting did not evaluate the start again
 
 
+def test_a_run_with_local_zo_adam_resumes_bit_identical_and_differs_from_mezo(tiny_workspace, tmp_path):
+    adam = ("optimizer.name=zo-adam", "optimizer.lr=0.005")
+    run_federated(_config(tiny_workspace, tmp_path / "whole", *adam), show_progress=False)
+    run_federated(_config(tiny_workspace, tmp_path / "split", *adam, "federation.rounds=2"), show_progress=False)
+    run_federated(_config(tiny_workspace, tmp_path / "split", *adam), resume=True, show_progress=False)
+    run_federated(_config(tiny_workspace, tmp_path / "mezo", "optimizer.lr=0.005"), show_progress=False)
+    final = {name: load_file(str(tmp_path / name / "final" / "trainable.safetensors"))
+             for name in ("whole", "split", "mezo")}
+    assert all(torch.equal(final["whole"][k], final["split"][k]) for k in final["whole"])
+    assert any(not torch.equal(final["whole"][k], final["mezo"][k]) for k in final["whole"])
+    rounds = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()][1:]
+    assert all(r["accepted"] == 2 and r["aggregate_seconds"] >= 0 for r in rounds)
+
+
 def test_resume_refuses_a_run_made_with_another_config(tiny_workspace, tmp_path):
     out = tmp_path / "run"
     run_federated(_config(tiny_workspace, out, "federation.rounds=1"), show_progress=False)
@@ -88,8 +102,8 @@ def test_federated_config_errors(tiny_workspace, tmp_path):
         _config(tiny_workspace, tmp_path, "federation.method=fedsomething")
     with pytest.raises(ConfigError, match="federation.partition.alpha"):
         _config(tiny_workspace, tmp_path, "federation.partition.alpha=0")
-    with pytest.raises(ConfigError, match="MeZO locally"):
-        run_federated(_config(tiny_workspace, tmp_path / "r", "optimizer.name=zo-adam"), show_progress=False)
+    with pytest.raises(ConfigError, match="mezo, zo-sgd-momentum, zo-adam locally .*'sparse-mezo' is not supported"):
+        run_federated(_config(tiny_workspace, tmp_path / "r", "optimizer.name=sparse-mezo"), show_progress=False)
     with pytest.raises(ConfigError, match="warm start needs a tensor-wise adaptive"):
         run_federated(_config(tiny_workspace, tmp_path / "w", "federation.method=zo-seeds",
                               "federation.server_optimizer.warm_start=true"), show_progress=False)

@@ -19,7 +19,6 @@ from zofed.data.tasks import Encoded, Task
 from zofed.fl.plan import LocalTraining
 from zofed.fl.protocol import ClientUpdate
 from zofed.models.selection import TrainableParams
-from zofed.zo.optim import MeZO
 from zofed.zo.perturb import Perturbation
 from zofed.zo.prefix import PrefixCache, first_trainable_layer
 from zofed.zo.step import zo_step
@@ -75,14 +74,15 @@ def client_cache(ctx: ClientContext, local: LocalTraining) -> PrefixCache | None
 def run_zo_client(ctx: ClientContext, start: Sequence[torch.Tensor], client_id: int, indices: np.ndarray,
                   local: LocalTraining, seeds: StepSeeds, perturbations: Sequence[Perturbation], *,
                   dense: bool = False) -> tuple[ClientUpdate, list[torch.Tensor]]:
-    """MeZO steps from `start` along the given seeds and perturbations; returns the uplink (seeds and scalars,
-    or the dense update with `dense`) and the client's final trainable tensors."""
+    """Local ZO steps (the round's local optimizer, from a fresh state) from `start` along the given seeds and
+    perturbations; returns the uplink (seeds and scalars, or the dense update with `dense`) and the client's final
+    trainable tensors."""
     if len(indices) == 0:
         raise ValueError(f"client {client_id} has no training examples")
     tensors = ctx.trainable.tensors()
     load_tensors_(tensors, start)
     clean = [t.clone() for t in start]
-    optimizer = MeZO()
+    optimizer = local.local_optimizer()
     state = optimizer.init(clean)
     cache = client_cache(ctx, local)
     grads, losses = [], []

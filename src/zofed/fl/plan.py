@@ -11,6 +11,11 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from zofed.fl.personal import BlockSampling
+from zofed.zo.optim import MeZO, ZOAdam, ZOSGDMomentum, make_optimizer
+
+# Local optimizers a federated client can run: a fresh state each round, so the server replays them exactly from
+# the round's seeds and scalars. (ZO-AdaMU's annealing and Sparse MeZO's masks would need state across rounds.)
+FEDERATED_OPTIMIZERS = ("mezo", "zo-sgd-momentum", "zo-adam")
 
 if TYPE_CHECKING:
     from zofed.run.config import FederatedConfig
@@ -35,6 +40,24 @@ class LocalTraining:
     shared_seeds: int = 0  # zofed: 1 when the round's clients share their step seeds
     pass_fraction: float = 1.0  # share of the model's blocks a perturbed pass runs (below 1: prefix caching)
     estimator: str = "central"  # the two-point estimate of every step (zo/step.py)
+    optimizer: str = "mezo"  # the clients' local ZO optimizer, from zero state every round (FEDERATED_OPTIMIZERS)
+    momentum: float = 0.9  # zo-sgd-momentum
+    beta1: float = 0.9  # zo-adam
+    beta2: float = 0.999
+
+    def local_optimizer(self) -> MeZO | ZOSGDMomentum | ZOAdam:
+        """The clients' local optimizer, which the server replays to rebuild a client's steps."""
+        if self.optimizer not in FEDERATED_OPTIMIZERS:
+            raise ValueError(f"federated clients run {', '.join(FEDERATED_OPTIMIZERS)}, not {self.optimizer!r}")
+        hyper = {"mezo": {}, "zo-sgd-momentum": {"momentum": self.momentum},
+                 "zo-adam": {"beta1": self.beta1, "beta2": self.beta2}}[self.optimizer]
+        return make_optimizer(self.optimizer, **hyper)
+
+    @property
+    def linear_steps(self) -> bool:
+        """Whether a client's update is the sum of its steps' scaled directions (MeZO), so that the server can
+        pool clients' terms; a stateful optimizer's update must be replayed client by client."""
+        return self.optimizer == "mezo"
 
     def to_config(self) -> dict[str, float | int | str]:
         """The round plan as the downlink's config entries."""
@@ -71,6 +94,10 @@ class FederationPlan:
     first_order_optimizer: str = "adamw"
     pass_fraction: float = 1.0
     estimator: str = "central"
+    optimizer: str = "mezo"
+    momentum: float = 0.9
+    beta1: float = 0.9
+    beta2: float = 0.999
 
     @classmethod
     def from_config(cls, config: FederatedConfig, num_clients: int, pass_fraction: float = 1.0) -> FederationPlan:
@@ -88,7 +115,9 @@ class FederationPlan:
             "noise": config.zo.noise, "pool_size": fed.pool_size,
             "sampling": BlockSampling(**sampling.model_dump(exclude={"personalize"})),
             "first_order_optimizer": fed.first_order_optimizer,
-            "pass_fraction": 1.0 if method.first_order else pass_fraction, "estimator": config.zo.estimator}
+            "pass_fraction": 1.0 if method.first_order else pass_fraction, "estimator": config.zo.estimator,
+            "optimizer": "mezo" if method.first_order else config.optimizer.name, "momentum": config.optimizer.momentum,
+            "beta1": config.optimizer.beta1, "beta2": config.optimizer.beta2}
         return cls(**settings)
 
     def round(self, round_id: int) -> LocalTraining:

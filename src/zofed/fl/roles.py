@@ -26,7 +26,7 @@ from zofed.fl.client import ClientContext, load_tensors_
 from zofed.fl.methods import get_method
 from zofed.fl.plan import FederationPlan, LocalTraining
 from zofed.fl.protocol import ClientUpdate, ServerBroadcast, decode, encode
-from zofed.fl.server import RoundInbox, broadcast, receive, unflatten
+from zofed.fl.server import RoundInbox, broadcast, rebuild_client_update, receive, unflatten
 from zofed.fl.server_opt import ServerOptimizer, make_server_optimizer
 from zofed.zo.optim import OptState
 
@@ -80,6 +80,9 @@ class ServerRole:
         if update.dense is not None:
             return Contribution(update.client_id, update.num_examples, unflatten(update.dense, self.tensors), [])
         sent = self._sent.get(update.client_id, np.zeros(0, np.float32))
+        if not local.linear_steps:  # a stateful local optimizer: replay this client's steps densely
+            return Contribution(update.client_id, update.num_examples,
+                                rebuild_client_update(self.method, self.tensors, update, local, self.masks, sent), [])
         return Contribution(update.client_id, update.num_examples, None,
                             self.method.directions(update, local, self.tensors, self.masks, sent))
 

@@ -14,7 +14,6 @@ import torch
 from zofed.fl.methods.base import Method, step_records
 from zofed.fl.plan import LocalTraining
 from zofed.fl.protocol import ClientUpdate, MessageError, ServerBroadcast, decode
-from zofed.zo.optim import MeZO
 
 
 @dataclass
@@ -58,12 +57,12 @@ def _check_against_round(update: ClientUpdate, local: LocalTraining, num_trainab
 def rebuild_client_update(method: Method, start: Sequence[torch.Tensor], update: ClientUpdate, local: LocalTraining,
                           masks: Sequence[torch.Tensor | None] | None = None,
                           sent_state: np.ndarray | None = None) -> list[torch.Tensor]:
-    """One client's local update, replayed step by step from its seeds and scalars as the client applied it
-    (bit for bit), or its dense upload."""
+    """One client's local update, replayed step by step from its seeds and scalars with the round's local
+    optimizer as the client applied it (bit for bit), or its dense upload."""
     if update.dense is not None:
         return unflatten(update.dense, start)
     tensors = [t.clone() for t in start]
-    optimizer = MeZO()
+    optimizer = local.local_optimizer()
     state = optimizer.init(tensors)
     records = step_records(update)
     state_in = np.zeros(0, np.float32) if sent_state is None else sent_state

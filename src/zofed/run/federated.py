@@ -29,7 +29,7 @@ from zofed.data.partition import ClientSplit, client_splits, format_summary, plo
 from zofed.fl.aggregate import make_aggregator
 from zofed.fl.client import ClientContext
 from zofed.fl.methods import get_method
-from zofed.fl.plan import FederationPlan
+from zofed.fl.plan import FEDERATED_OPTIMIZERS, FederationPlan
 from zofed.fl.roles import ServerRole
 from zofed.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, write_atomic_text
 from zofed.run.config import ConfigError, FederatedConfig, check_resumed_config, dump_config
@@ -178,9 +178,10 @@ def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Conso
         check_resumed_config(config, out / "config.yaml")
     fed = config.federation
     method = get_method(fed.method)
-    if not method.first_order and config.optimizer.name != "mezo":
-        raise ConfigError(f"federated clients run MeZO locally (their steps must be rebuilt from seeds and scalars); "
-                          f"optimizer.name={config.optimizer.name!r} is not supported here yet")
+    if not method.first_order and config.optimizer.name not in FEDERATED_OPTIMIZERS:
+        raise ConfigError(f"federated clients run {', '.join(FEDERATED_OPTIMIZERS)} locally (a fresh state each "
+                          f"round, so the server replays their steps from seeds and scalars); "
+                          f"optimizer.name={config.optimizer.name!r} is not supported here")
     fixed = method.server_default.name
     if method.first_order and fed.server_optimizer.name not in (None, fixed):  # the server half of the method
         raise ConfigError(f"{fed.method} uses the {fixed} server optimizer: set "
