@@ -224,6 +224,7 @@ def step_perturbation(step_seed: int, pi: np.ndarray, kind: str = "rademacher",
     return block_perturbation(b, pi, kind, masks, tilt, layout), b
 
 
-def probe_energy(grad: float, pi: np.ndarray, block: int) -> float:
-    """pi_b g^2: an unbiased estimate of the block's gradient energy |grad_b|^2."""
-    return float(pi[block]) * float(grad) ** 2
+def probe_energy(grads: np.ndarray, pi: np.ndarray, blocks: Sequence[int]) -> np.ndarray:
+    """pi_b g^2, an unbiased estimate of the drawn block's gradient energy |grad_b|^2, for each step (rows of
+    `grads`, one scalar per query) averaged over its queries."""
+    return (pi.astype(np.float64)[list(blocks)][:, None] * grads.astype(np.float64) ** 2).mean(axis=1)

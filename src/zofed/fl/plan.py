@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from zofed.fl.personal import BlockSampling
-from zofed.zo.optim import MeZO, ZOAdam, ZOSGDMomentum, make_optimizer
+from zofed.zo.optim import MeZO, ZOAdam, ZOSGDMomentum, hyperparameters, make_optimizer
 
 # Local optimizers a federated client can run: a fresh state each round, so the server replays them exactly from
 # the round's seeds and scalars. (ZO-AdaMU's annealing and Sparse MeZO's masks would need state across rounds.)
@@ -49,9 +49,7 @@ class LocalTraining:
         """The clients' local optimizer, which the server replays to rebuild a client's steps."""
         if self.optimizer not in FEDERATED_OPTIMIZERS:
             raise ValueError(f"federated clients run {', '.join(FEDERATED_OPTIMIZERS)}, not {self.optimizer!r}")
-        hyper = {"mezo": {}, "zo-sgd-momentum": {"momentum": self.momentum},
-                 "zo-adam": {"beta1": self.beta1, "beta2": self.beta2}}[self.optimizer]
-        return make_optimizer(self.optimizer, **hyper)
+        return make_optimizer(self.optimizer, **hyperparameters(self.optimizer, self))
 
     @property
     def linear_steps(self) -> bool:

@@ -21,7 +21,7 @@ from zofed.fl.methods import get_method
 from zofed.fl.server_opt import SERVER_OPTIMIZERS, ServerOptimizer, make_server_optimizer
 from zofed.models.selection import TrainableConfig
 from zofed.zo.noise import NoiseKind
-from zofed.zo.optim import OPTIMIZER_NAMES
+from zofed.zo.optim import OPTIMIZER_NAMES, hyperparameters
 
 
 class ConfigError(ValueError):
@@ -102,12 +102,7 @@ class OptimizerSection(_Section):
 
     def hyperparameters(self) -> dict[str, float]:
         """Only the hyperparameters the chosen optimizer takes."""
-        per_name = {"mezo": {}, "zo-sgd-momentum": {"momentum": self.momentum},
-                    "zo-adam": {"beta1": self.beta1, "beta2": self.beta2},
-                    "zo-adamu": {"beta1": self.beta1, "beta2": self.beta2,
-                                 "momentum_weight": self.momentum_weight, "anneal_steps": self.anneal_steps},
-                    "sparse-mezo": {"density": self.density, "mask_interval": self.mask_interval}}
-        return per_name[self.name]
+        return hyperparameters(self.name, self)
 
 
 class TrainSection(_Section):

@@ -18,6 +18,15 @@ from zofed.zo.noise import NoiseSource
 from zofed.zo.perturb import Perturbation, add_directions_, sweep_estimate
 
 OPTIMIZER_NAMES = ("mezo", "zo-sgd-momentum", "zo-adam", "zo-adamu", "sparse-mezo")
+# The settings each optimizer takes, by name: what a config section or a round plan hands to make_optimizer.
+HYPERPARAMETERS = {"mezo": (), "zo-sgd-momentum": ("momentum",), "zo-adam": ("beta1", "beta2"),
+                   "zo-adamu": ("beta1", "beta2", "momentum_weight", "anneal_steps"),
+                   "sparse-mezo": ("density", "mask_interval")}
+
+
+def hyperparameters(name: str, settings: object) -> dict[str, float]:
+    """Only the hyperparameters optimizer `name` takes, read from the attributes of `settings`."""
+    return {key: getattr(settings, key) for key in HYPERPARAMETERS[name]}
 
 
 @dataclass

@@ -29,6 +29,7 @@ from zofed.fl.personal import (
     draw_blocks,
     expected_update_square,
     global_energy,
+    probe_energy,
     tensor_blocks,
 )
 from zofed.fl.plan import LocalTraining
@@ -59,9 +60,7 @@ class BlockState:
 def block_probes(update: ClientUpdate, pi: np.ndarray) -> tuple[list[int], list[float]]:
     """The blocks a client's steps drew and their energy estimates pi_b g^2 (mean over queries)."""
     blocks = draw_blocks(step_seeds(update), pi)
-    # pi_b g^2 (personal.probe_energy) for every query, averaged per step
-    energies = (pi.astype(np.float64)[blocks][:, None] * update.grads.astype(np.float64) ** 2).mean(axis=1)
-    return blocks, energies.tolist()
+    return blocks, probe_energy(update.grads, pi, blocks).tolist()
 
 
 class Zofed(Method):
