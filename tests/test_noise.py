@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from zofed.zo.noise import CHUNK, GAUSSIAN_COUNTER, NoiseSource, derive_seed, gaussian, words
-from zofed.zo.perturb import Perturbation, add_directions_
+from zofed.zo.noise import CHUNK, GAUSSIAN_COUNTER, NoiseSource, derive_seed, gaussian, words, words_of_seeds
+from zofed.zo.perturb import Perturbation, add_directions_, add_seed_rows_
 
 # (seed, tensor, first word) -> the next four words as uint32
 WORD_VECTORS = {
@@ -106,3 +106,39 @@ def test_rademacher_words_are_balanced_and_unrelated_across_seeds_and_tensors():
 def test_a_chunk_must_start_on_a_word_pair_boundary():
     with pytest.raises(ValueError, match="multiple of 64"):
         NoiseSource("rademacher").chunk(1, 0, 32, 10)
+
+
+def test_noise_rows_for_many_seeds_are_each_seeds_own_chunk_bit_for_bit():
+    seeds = [3, 2**62 + 17, 0, 99]
+    grid = words_of_seeds(seeds, 5, 7, 40)
+    assert torch.equal(grid, torch.stack([words(s, 5, 7, 40) for s in seeds]))
+    scales = [0.25, -3.0e-4, 1.0, -7.5]
+    for kind in ("rademacher", "gaussian"):
+        source = NoiseSource(kind)
+        rows = source.rows(seeds, 2, 128, 100, scales)
+        assert rows.shape == (4, 100)
+        for k, (seed, scale) in enumerate(zip(seeds, scales, strict=True)):
+            assert torch.equal(rows[k], source.chunk(seed, 2, 128, 100, scale))
+
+
+def test_pooled_seed_rows_add_what_seed_by_seed_directions_add_bit_for_bit():
+    """The server's pooled rebuild: every seed's noise on every tensor it touches, one noise call per tensor."""
+    sizes = [CHUNK + 300, 70, 576, 1]
+    rng = np.random.default_rng(0)
+    seeds = [int(s) for s in rng.integers(0, 2**63, size=9)]
+    coefficients = rng.normal(size=(9, len(sizes))) * (rng.random((9, len(sizes))) < 0.5)  # zeros: untouched
+    precondition = [torch.from_numpy(rng.random(n).astype(np.float32) + 0.5) for n in sizes]
+    masks = [torch.from_numpy(rng.random(n) < 0.7) for n in sizes]
+    for kind in ("rademacher", "gaussian"):
+        for extra in ({}, {"precondition": precondition, "masks": masks}):
+            start = [torch.from_numpy(rng.normal(size=n).astype(np.float32)) for n in sizes]
+            one_by_one = [t.clone() for t in start]
+            for seed, row in zip(seeds, coefficients, strict=True):
+                add_directions_(one_by_one, [(seed, 1.0)], Perturbation(kind=kind, scales=row.tolist(), **extra))
+            pooled = [t.clone() for t in start]
+            add_seed_rows_(pooled, seeds, coefficients, Perturbation(kind=kind, **extra))
+            for a, b in zip(pooled, one_by_one, strict=True):
+                assert torch.equal(a, b)
+            assert not torch.equal(pooled[0], start[0])
+    with pytest.raises(ValueError, match="without scales"):
+        add_seed_rows_(start, seeds, coefficients, Perturbation(scales=[1.0] * len(sizes)))

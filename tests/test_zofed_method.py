@@ -378,15 +378,15 @@ def _round_of_contributions(num_clients: int, shared: bool):
 @pytest.mark.parametrize("shared", [True, False])
 def test_mean_regenerates_each_shared_seed_once_per_tensor(shared):
     """With shared seeds the mean sums coefficients per (seed, tensor) across clients before regenerating: the
-    noise made does not grow with the clients. With private seeds every step is regenerated on its own, and the
-    result equals the sum of the clients' exact rebuilds added one step at a time."""
+    noise made does not grow with the clients. With private seeds every step's noise is made on its own (all of a
+    tensor's seeds in one call), and the result equals the sum of the clients' exact rebuilds."""
     from unittest import mock
 
     from zofed.fl.aggregate import WeightedMean
     from zofed.zo.noise import NoiseSource
 
     start, local, pis, updates, contributions = _round_of_contributions(6, shared)
-    with mock.patch.object(NoiseSource, "chunk", autospec=True, side_effect=NoiseSource.chunk) as chunk:
+    with mock.patch.object(NoiseSource, "rows", autospec=True, side_effect=NoiseSource.rows) as rows:
         mean = WeightedMean().update(start, contributions, {})[0]
     steps = local.local_steps * len(updates)
     total = sum(u.num_examples for u in updates)
@@ -401,5 +401,8 @@ def test_mean_regenerates_each_shared_seed_once_per_tensor(shared):
     # one regeneration (per chunk) for each distinct (seed, drawn block): shared seeds make clients coincide
     pairs = {(seed, b) for u in updates for seed, b in zip(step_seeds(u), draw_blocks(step_seeds(u), pis[u.client_id]),
                                                            strict=True)}
-    assert chunk.call_count == sum(len(list(chunk_bounds(start[b].numel()))) for _, b in pairs)
+    made = sum(len(call.args[1]) for call in rows.call_args_list)  # noise rows made, one per seed and chunk
+    assert made == sum(len(list(chunk_bounds(start[b].numel()))) for _, b in pairs)
+    # ... and all of a tensor chunk's seeds in one call
+    assert rows.call_count == sum(len(list(chunk_bounds(start[b].numel()))) for b in {b for _, b in pairs})
     assert (len(pairs) < steps) if shared else (len(pairs) == steps)

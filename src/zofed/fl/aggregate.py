@@ -18,8 +18,7 @@ import numpy as np
 import torch
 
 from zofed.fl.methods.base import Directions
-from zofed.zo.noise import NoiseSource
-from zofed.zo.perturb import Perturbation, add_directions_
+from zofed.zo.perturb import Perturbation, add_directions_, add_seed_rows_
 
 
 @dataclass(frozen=True)
@@ -50,8 +49,9 @@ class WeightedMean:
     coefficient per (seed, tensor), so a seed's noise is regenerated once per tensor however many clients used it:
     when a round's clients share their seeds, the rebuild costs seeds x trainable values, not clients x steps.
     Without shared seeds nothing merges and each term is added on its own, in the same order and with the same
-    floating-point products as one client at a time. Memory never grows with the number of clients beyond one
-    coefficient row per distinct seed."""
+    floating-point products as one client at a time. Either way each tensor's noise for all its seeds is made in
+    one call (`add_seed_rows_`), so thousands of one-tensor steps cost one noise call per tensor. Memory never
+    grows with the number of clients beyond one coefficient row per distinct seed."""
 
     name: str = "mean"
 
@@ -88,9 +88,7 @@ class WeightedMean:
                     else:
                         row += (coeff * weight) * scales
         for pert, rows in pooled.values():
-            source = NoiseSource(pert.kind, device=mean[0].device if mean else "cpu")
-            for seed, row in rows.items():
-                add_directions_(mean, [(seed, 1.0)], replace(pert, scales=row.tolist()), source)
+            add_seed_rows_(mean, list(rows), np.stack(list(rows.values())), pert)
         for pert, terms in tilted:
             add_directions_(mean, terms, pert)
         return mean, state

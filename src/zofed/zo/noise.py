@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Literal
 
 import torch
@@ -83,13 +83,27 @@ def tensor_key(seed: int, tensor_index: int) -> tuple[int, int]:
     return _int32(key), _int32(key >> 32)
 
 
+def _counters(start: int, count: int, device: torch.device | str) -> torch.Tensor:
+    x = torch.arange(start, start + count, dtype=torch.int64, device=device).bitwise_and_(_MASK32)
+    return x.sub_(x.bitwise_right_shift(31).bitwise_left_shift_(32)).to(torch.int32)  # uint32 -> int32, exactly
+
+
 def words(seed: int, tensor_index: int, start: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Random words `start` .. `start + count - 1` of one tensor's stream, as int32 (the bits are what count)."""
     k0, k1 = tensor_key(seed, tensor_index)
-    x = torch.arange(start, start + count, dtype=torch.int64, device=device).bitwise_and_(_MASK32)
-    x = x.sub_(x.bitwise_right_shift(31).bitwise_left_shift_(32)).to(torch.int32)  # uint32 -> int32, exactly
+    x = _counters(start, count, device)
     _mix_(x.bitwise_xor_(k0))
     return _mix_(x.bitwise_xor_(k1))
+
+
+def words_of_seeds(seeds: Sequence[int], tensor_index: int, start: int, count: int,
+                   device: torch.device | str = "cpu") -> torch.Tensor:
+    """`words` for many seeds at once, one row each: the same integer operations on a (seeds, count) grid, so
+    every row is bit for bit `words(seed, ...)` (a server rebuilding thousands of small tensors pays one call)."""
+    keys = torch.tensor([tensor_key(s, tensor_index) for s in seeds], dtype=torch.int32, device=device)
+    x = _counters(start, count, device).unsqueeze(0).bitwise_xor(keys[:, :1])
+    _mix_(x)
+    return _mix_(x.bitwise_xor_(keys[:, 1:]))
 
 
 class NoiseSource:
@@ -137,6 +151,26 @@ class NoiseSource:
         bits.bitwise_and_(_SIGN_BIT).bitwise_or_(_float_bits(abs(scale)))
         out = self._bits[:size].view(torch.float32)
         return out.neg_() if scale < 0 else out
+
+
+    def rows(self, seeds: Sequence[int], tensor_index: int, start: int, size: int,
+             scales: Sequence[float]) -> torch.Tensor:
+        """`scales[k] * z(seeds[k])` over elements `start` .. `start + size - 1` of one tensor, one row per seed
+        (a new tensor): row k equals `chunk(seeds[k], ..., scales[k])` bit for bit. Rademacher rows are made in
+        one pass over all seeds; Gaussian rows one seed at a time (their transcendental functions may round
+        differently in a vectorized kernel's tail)."""
+        if start % 64:
+            raise ValueError(f"noise chunks start on a multiple of 64 elements, not at {start}")
+        if self.kind == "gaussian":
+            return torch.stack([gaussian(s, tensor_index, start, size, self.device).mul_(c)
+                                for s, c in zip(seeds, scales, strict=True)])
+        count = (size + 31) // 32
+        w = words_of_seeds(seeds, tensor_index, start // 32, count, self.device)
+        bits = torch.bitwise_left_shift(w.unsqueeze(2), self._shifts).bitwise_and_(_SIGN_BIT)
+        magnitude = torch.tensor(scales, dtype=torch.float64).abs().to(torch.float32).view(torch.int32)
+        negative = torch.tensor([c < 0 for c in scales], dtype=torch.int32) * _SIGN_BIT  # -c flips the sign bit
+        bits.bitwise_or_(magnitude.to(self.device)[:, None, None]).bitwise_xor_(negative.to(self.device)[:, None, None])
+        return bits.view(len(seeds), count * 32)[:, :size].view(torch.float32)
 
 
 def gaussian(seed: int, tensor_index: int, start: int, size: int, device: torch.device | str = "cpu") -> torch.Tensor:

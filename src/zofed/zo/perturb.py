@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from zofed.zo.noise import NoiseKind, NoiseSource, chunk_bounds
@@ -99,6 +100,38 @@ def add_directions_(tensors: Sequence[torch.Tensor], terms: Sequence[tuple[int, 
         for _, start, end in chunk_bounds(flat.numel()):
             for seed, coeff in terms:
                 flat[start:end].add_(perturbation.direction(source, seed, i, start, end, coeff))
+
+
+ROWS_PER_PASS = 1 << 22  # noise elements made at once when many seeds touch one tensor (16 MB of float32)
+
+
+@torch.no_grad()
+def add_seed_rows_(tensors: Sequence[torch.Tensor], seeds: Sequence[int], coefficients: np.ndarray,
+                   perturbation: Perturbation, source: NoiseSource | None = None) -> None:
+    """tensors[i] += sum_k coefficients[k, i] * u_i(seeds[k]) for a perturbation without scales or momentum: what
+    `add_directions_` does seed by seed with per-tensor scales `coefficients[k]`, with the same sums in the same
+    order (bit for bit), but each tensor's noise for all its seeds made in one pass. A server that pools many
+    clients' one-tensor steps then pays one noise call per tensor instead of one per step."""
+    if perturbation.scales is not None or perturbation.momentum is not None:
+        raise ValueError("add_seed_rows_ takes the per-tensor scales as coefficients: pass a perturbation without "
+                         "scales or momentum")
+    source = source or NoiseSource(perturbation.kind, device=_device(tensors))
+    for i, flat in enumerate(tensors):
+        active = np.flatnonzero(coefficients[:, i])
+        if not active.size:
+            continue
+        precondition, mask = perturbation.precondition, perturbation.mask(i)
+        for _, start, end in chunk_bounds(flat.numel()):
+            step = max(1, ROWS_PER_PASS // (end - start))
+            for first in range(0, active.size, step):
+                group = active[first:first + step]
+                rows = source.rows([seeds[k] for k in group], i, start, end - start, coefficients[group, i].tolist())
+                if precondition is not None:
+                    rows.mul_(precondition[i][start:end])
+                if mask is not None:
+                    rows.mul_(mask[start:end])
+                for row in rows:
+                    flat[start:end].add_(row)
 
 
 @torch.no_grad()

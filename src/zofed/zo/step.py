@@ -9,6 +9,7 @@ optimizer's pass restores the last +eps while applying the update, so a step cos
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from collections.abc import Callable, Sequence
@@ -43,7 +44,9 @@ def _as_float32(value: float) -> float:
     return struct.unpack("<f", struct.pack("<f", value))[0]
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def query_seed(step_seed: int, query: int) -> int:
+    """Cached: a server rebuilding a round whose clients share step seeds derives each query's seed once."""
     return derive_seed(step_seed, query)
 
 
