@@ -67,6 +67,8 @@ TRAINABLE: dict[str, tuple[list[str], float, list[str]]] = {
 ROWS: dict[str, tuple[str, bool]] = {
     "zofed": ("zofed", True),
     "zofed-uncached": ("zofed", False),  # the method alone, at the baselines' one query a step
+    "zofed-shared": ("zofed", True),  # the round's clients share step seeds (ROW_OPTIONS): the server's cheap case
+    "zofed-zo-adam": ("zofed", True),  # local ZO-Adam on the clients, replayed exactly by the server
     "hiso": ("hiso", False),
     "fedkseed": ("fedkseed", False),
     "decomfl": ("decomfl", False),
@@ -79,6 +81,7 @@ ROWS: dict[str, tuple[str, bool]] = {
 }
 HEADLINE = ["zofed", "hiso", "fedkseed", "decomfl", "zo-seeds", "fedmezo", "fedavg-lora"]
 METHOD_OPTIONS = {"fedkseed": ["federation.pool_size=64"]}
+ROW_OPTIONS = {"zofed-shared": ["federation.sampling.shared_seeds=true"], "zofed-zo-adam": ["optimizer.name=zo-adam"]}
 
 
 def row_overrides(row: str, trainable: str) -> tuple[list[str], float]:
@@ -88,7 +91,8 @@ def row_overrides(row: str, trainable: str) -> tuple[list[str], float]:
         return ["trainable.mode=lora", *METHOD_OPTIONS.get(method, [])], 1.0
     overrides, fraction, lever = TRAINABLE[trainable]
     lever = lever if cached else []
-    return [*overrides, *lever, *METHOD_OPTIONS.get(method, [])], fraction if lever else 1.0
+    return ([*overrides, *lever, *METHOD_OPTIONS.get(method, []), *ROW_OPTIONS.get(row, [])],
+            fraction if lever else 1.0)
 
 
 # The grid every method is tuned on: client lr, and a factor on the server optimizer's default lr. The ZO lrs
