@@ -119,11 +119,15 @@ class BlockStats:
                    np.zeros(num_blocks), np.zeros(num_blocks))
 
     def record(self, client_id: int, blocks: Sequence[int], energies: Sequence[float]) -> None:
-        for b, e in zip(blocks, energies, strict=True):
-            self.client_sums[client_id, b] += e
-            self.client_counts[client_id, b] += 1
-            self.global_sums[b] += e
-            self.global_counts[b] += 1
+        # np.add.at adds repeated blocks one after another, in order: the sums of a loop, in one call each
+        blocks = np.asarray(blocks, dtype=np.int64)
+        energies = np.asarray(energies, dtype=np.float64)
+        if blocks.shape != energies.shape:
+            raise ValueError(f"{blocks.size} probed blocks but {energies.size} energies")
+        np.add.at(self.client_sums[client_id], blocks, energies)
+        np.add.at(self.client_counts[client_id], blocks, 1.0)
+        np.add.at(self.global_sums, blocks, energies)
+        np.add.at(self.global_counts, blocks, 1.0)
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
         return {k: torch.from_numpy(getattr(self, k).copy()) for k in
@@ -209,7 +213,7 @@ def block_perturbation(block: int, pi: np.ndarray, kind: str = "rademacher",
     block left alone. `layout` maps each tensor to its block (None: one block per tensor)."""
     layout = np.arange(len(pi)) if layout is None else layout
     scale = float(1.0 / np.sqrt(np.float64(pi[block])))
-    scales = np.where(layout == block, scale, 0.0).tolist()
+    scales = np.where(layout == block, scale, 0.0)  # an array: the aggregator pools it without a copy
     pert = Perturbation(kind=kind, scales=scales, masks=masks)
     if tilt is not None and tilt.weight != 0.0:
         pert = replace(pert, momentum=tilt.buffers, momentum_weight=tilt.weight, momentum_rms=tilt.rms())
