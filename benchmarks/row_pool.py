@@ -3,11 +3,13 @@
 Every row runs in its own spawned process, so its peak memory is its own and not the heaviest earlier row's;
 a row that fails is reported with its exception and the others go on. A row's process ends with the benchmark
 that spawned it. `record_rows` stores each finished row in the benchmark's JSON table and rewrites its report,
-so a matrix fills over sittings and an interrupted sitting keeps every row that finished.
+so a matrix fills over sittings and an interrupted sitting keeps every row that finished; sittings that run side
+by side merge their rows into the same table.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import multiprocessing
 import os
@@ -46,6 +48,17 @@ def run_rows(work: Callable[..., dict], pending: Sequence[tuple], key: Callable[
             yield futures[future], error if error is not None else future.result()
 
 
+def _store_row(table: dict, path: Path, key: str, row: dict) -> None:
+    """Add `row` to the table on disk, under a lock, keeping rows that another sitting of the same benchmark wrote
+    since this one read the file (two sittings may run side by side, each with its own rows)."""
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.is_file():
+            table["rows"] = {**table["rows"], **json.loads(path.read_text()).get("rows", {})}  # the disk is newer
+        table["rows"][key] = row
+        write_atomic_text(path, json.dumps(table, indent=2))
+
+
 def record_rows(rows: Iterator[tuple[str, dict | BaseException]], table: dict, path: Path,
                 report: Callable[[], None], hidden: str) -> None:
     """Store each finished row in `table["rows"]`, write the table to `path` and call `report`, printing the row
@@ -57,8 +70,7 @@ def record_rows(rows: Iterator[tuple[str, dict | BaseException]], table: dict, p
             failed.append(key)
             print(f"row {key} failed, the others go on: {type(row).__name__}: {row}", file=sys.stderr, flush=True)
             continue
-        table["rows"][key] = row
-        write_atomic_text(path, json.dumps(table, indent=2))
+        _store_row(table, path, key, row)
         report()
         print(json.dumps({k: v for k, v in row.items() if k != hidden}), flush=True)
     if failed:
