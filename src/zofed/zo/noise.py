@@ -152,7 +152,6 @@ class NoiseSource:
         out = self._bits[:size].view(torch.float32)
         return out.neg_() if scale < 0 else out
 
-
     def rows(self, seeds: Sequence[int], tensor_index: int, start: int, size: int,
              scales: Sequence[float]) -> torch.Tensor:
         """`scales[k] * z(seeds[k])` over elements `start` .. `start + size - 1` of one tensor, one row per seed
