@@ -34,6 +34,25 @@ def test_frozen_weights_are_stored_narrow_and_trainable_ones_stay_fp32(dtype):
     assert linear, "no frozen linear layer was narrowed"
 
 
+def test_a_narrow_model_lets_go_of_the_fp32_file_its_weights_were_mapped_from():
+    """Weights loaded from a safetensors cache are views of one mapped fp32 file; an fp32 tensor left in it (a
+    norm, a bias, a trainable tensor) would keep every page the narrowing read resident."""
+    ctx = toy_context(mode="lora")
+    tensors = [*ctx.model.parameters(), *ctx.model.buffers()]
+    mapped = torch.zeros(sum(t.numel() for t in tensors))  # stands for the mapped file
+    offset = 0
+    for t in tensors:
+        view = mapped[offset:offset + t.numel()].view_as(t)
+        view.copy_(t.data)
+        t.data = view
+        offset += t.numel()
+    place_model(ctx.model, ctx.trainable.params, torch.device("cpu"), torch.bfloat16)
+    file = mapped.untyped_storage().data_ptr()
+    left = [t for t in [*ctx.model.parameters(), *ctx.model.buffers()] if t.untyped_storage().data_ptr() == file]
+    assert not left, f"{len(left)} tensors still live in the fp32 file"
+    assert any(t.dtype == torch.float32 for t in ctx.model.parameters())  # the copies kept their values' dtype
+
+
 def test_a_narrow_model_computes_in_fp32_close_to_the_full_one():
     full, narrow = toy_context(mode="lora"), _narrowed_context("lora")
     batch = full.task.collate(full.train, np.arange(16))

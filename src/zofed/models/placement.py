@@ -77,4 +77,10 @@ def place_model(model: torch.nn.Module, trainable: Sequence[torch.nn.Parameter],
             narrowed.add(id(weight))
             count += weight.numel()
         module.forward = types.MethodType(widen, module)
+    # The weights may still be views of the fp32 file mapped from the cache: any fp32 tensor left there (norms,
+    # biases, trainable tensors) keeps the whole mapping, and every page the narrowing read, resident. Copying
+    # them out lets the mapping go, so the process holds the narrow weights only.
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.dtype != dtype:
+            tensor.data = tensor.data.clone()
     return count
