@@ -69,6 +69,8 @@ ROWS: dict[str, tuple[str, bool]] = {
     "zofed-uncached": ("zofed", False),  # the method alone, at the baselines' one query a step
     "zofed-shared": ("zofed", True),  # the round's clients share step seeds (ROW_OPTIONS): the server's cheap case
     "zofed-zo-adam": ("zofed", True),  # local ZO-Adam on the clients, replayed exactly by the server
+    "zofed-global": ("zofed", True),  # one server second moment for the whole update, not one per tensor
+    "zofed-cosine": ("zofed", True),  # the server lr falls along a cosine to zero over the run
     "hiso": ("hiso", False),
     "fedkseed": ("fedkseed", False),
     "decomfl": ("decomfl", False),
@@ -81,7 +83,9 @@ ROWS: dict[str, tuple[str, bool]] = {
 }
 HEADLINE = ["zofed", "hiso", "fedkseed", "decomfl", "zo-seeds", "fedmezo", "fedavg-lora"]
 METHOD_OPTIONS = {"fedkseed": ["federation.pool_size=64"]}
-ROW_OPTIONS = {"zofed-shared": ["federation.sampling.shared_seeds=true"], "zofed-zo-adam": ["optimizer.name=zo-adam"]}
+ROW_OPTIONS = {"zofed-shared": ["federation.sampling.shared_seeds=true"], "zofed-zo-adam": ["optimizer.name=zo-adam"],
+               "zofed-global": ["federation.server_optimizer.granularity=global"],
+               "zofed-cosine": ["federation.server_optimizer.decay=cosine"]}
 
 
 def row_overrides(row: str, trainable: str) -> tuple[list[str], float]:

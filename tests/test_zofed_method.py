@@ -128,7 +128,7 @@ def test_uplink_bytes_do_not_depend_on_the_model():
 
 
 @pytest.mark.parametrize("name", ["adam", "yogi", "amsgrad"])
-@pytest.mark.parametrize("granularity", ["coordinate", "tensor"])
+@pytest.mark.parametrize("granularity", ["coordinate", "tensor", "global"])
 @pytest.mark.parametrize("relative", [False, True])
 def test_server_optimizer_state_restores_to_a_bit_identical_continuation(name, granularity, relative):
     opt = ServerOptimizer(name, lr=0.1, granularity=granularity, relative=relative)
@@ -156,6 +156,25 @@ def test_block_granularity_keeps_the_direction_inside_a_block():
         assert (abs(cosine - 1) < 1e-6) == parallel
     with pytest.raises(ValueError, match="granularity"):
         ServerOptimizer("adam", granularity="layer")
+
+
+def test_global_granularity_keeps_the_direction_of_the_whole_update():
+    """One v for every value: the step is the update scaled by one number, so a tensor whose update is small
+    stays small (tensor-wise moments would give it as long a step as the others)."""
+    d = [torch.tensor([1.0, -3.0, 0.5]), torch.tensor([0.02, -0.01])]
+    steps = {}
+    for granularity in ("global", "tensor"):
+        t = [torch.zeros(3), torch.zeros(2)]
+        opt = ServerOptimizer("adam", lr=1.0, granularity=granularity)
+        opt.apply(t, opt.init(t), d)
+        steps[granularity] = torch.cat(t)
+    flat = torch.cat(d)
+    assert float(torch.nn.functional.cosine_similarity(steps["global"], flat, dim=0)) == pytest.approx(1.0, abs=1e-6)
+    ratio = steps["global"] / flat
+    assert torch.allclose(ratio, ratio[0].expand_as(ratio))  # one scale for every value
+    assert steps["tensor"][3:].norm() > 10 * steps["global"][3:].norm()  # tensor-wise blows the small one up
+    with pytest.raises(ValueError, match="warm start"):
+        ServerOptimizer("adam", granularity="global", warm_start=True)
 
 
 @pytest.mark.parametrize("name", ["sgd", "adam"])

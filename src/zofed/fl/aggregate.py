@@ -5,7 +5,9 @@ the server's checkpoint), chosen by one config field (`federation.aggregator`). 
 as a `Contribution`: its example weight and either its dense update or its directions (perturbations with
 (seed, coefficient) terms), so an aggregator that only needs the weighted sum never rebuilds one client's update
 densely, and one that needs each client's update (a median, a clipped mean) can rebuild it with
-`Contribution.rebuild`.
+`Contribution.rebuild`. An aggregator that only needs the weighted sum may also offer `update_pooled`: the server
+then hands it the round already summed per (seed, tensor) on arrays (`PooledTerms`, pooled.py), when the method
+can (`Method.pooled_terms`), and skips building a `Contribution` per client.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 import torch
 
 from zofed.fl.methods.base import Directions
+from zofed.fl.pooled import PooledTerms
 from zofed.zo.perturb import Perturbation, add_directions_, add_seed_rows_
 
 
@@ -91,6 +94,13 @@ class WeightedMean:
             add_seed_rows_(mean, list(rows), np.stack(list(rows.values())), pert)
         for pert, terms in tilted:
             add_directions_(mean, terms, pert)
+        return mean, state
+
+    def update_pooled(self, like: Sequence[torch.Tensor], terms: PooledTerms,
+                      state: dict[str, Any]) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        """`update` for a round pooled on arrays by the method: the same rows, so the same mean bit for bit."""
+        mean = [torch.zeros_like(t) for t in like]
+        add_seed_rows_(mean, terms.seeds, terms.coefficients, terms.perturbation)
         return mean, state
 
 

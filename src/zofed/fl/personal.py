@@ -129,6 +129,19 @@ class BlockStats:
         np.add.at(self.global_sums, blocks, energies)
         np.add.at(self.global_counts, blocks, 1.0)
 
+    def record_round(self, client_ids: np.ndarray, blocks: np.ndarray, energies: np.ndarray) -> None:
+        """`record` for a whole round at once: row c of `blocks` and `energies` (clients, steps) under client
+        client_ids[c]. np.add.at adds in row-major order, so every sum gets its terms in `record`'s order."""
+        blocks = np.asarray(blocks, dtype=np.int64)
+        energies = np.asarray(energies, dtype=np.float64)
+        if blocks.shape != energies.shape or blocks.shape[:1] != np.shape(client_ids):
+            raise ValueError(f"probed blocks {blocks.shape}, energies {energies.shape}, clients {np.shape(client_ids)}")
+        cells = (np.repeat(np.asarray(client_ids, dtype=np.int64), blocks.shape[1]), blocks.reshape(-1))
+        np.add.at(self.client_sums, cells, energies.reshape(-1))
+        np.add.at(self.client_counts, cells, 1.0)
+        np.add.at(self.global_sums, blocks.reshape(-1), energies.reshape(-1))
+        self.global_counts += np.bincount(blocks.reshape(-1), minlength=self.global_counts.size)  # whole numbers
+
     def to_tensors(self) -> dict[str, torch.Tensor]:
         return {k: torch.from_numpy(getattr(self, k).copy()) for k in
                 ("client_sums", "client_counts", "global_sums", "global_counts")}
@@ -180,11 +193,27 @@ def client_distribution(stats: BlockStats, client_id: int, sizes: np.ndarray,
 
 
 def check_distribution(pi: np.ndarray, num_blocks: int) -> None:
-    """A received pi must be a probability vector over exactly the model's blocks."""
-    if pi.shape != (num_blocks,):
-        raise ValueError(f"block distribution has {pi.size} entries, the model {num_blocks} blocks")
-    if not np.isfinite(pi).all() or (pi < 0).any() or abs(float(pi.sum(dtype=np.float64)) - 1.0) > 1e-4:
+    """A received pi (or a stack of them, one a row) must be a probability vector over exactly the model's blocks."""
+    if pi.ndim not in (1, 2) or pi.shape[-1] != num_blocks:
+        raise ValueError(f"block distribution has {pi.shape[-1] if pi.ndim else 1} entries, the model "
+                         f"{num_blocks} blocks")
+    if not np.isfinite(pi).all() or (pi < 0).any() or \
+            (np.abs(pi.sum(axis=-1, dtype=np.float64) - 1.0) > 1e-4).any():
         raise ValueError("block distribution must be finite, non-negative and sum to 1")
+
+
+def stack_distributions(states: Sequence[np.ndarray], num_blocks: int) -> np.ndarray:
+    """The pis that head many clients' downlink states, one a row (float32), checked as `check_distribution`."""
+    flat = np.concatenate(states)  # first: it reads every state once, so the lengths below are read warm
+    lengths = np.fromiter(map(len, states), np.int64, len(states))
+    if lengths.min() < num_blocks:  # the error one client's check would give
+        check_distribution(states[int(lengths.argmin())][:num_blocks], num_blocks)
+    if (lengths == lengths[0]).all():  # one concatenation, cheaper than stacking many rows
+        pis = flat.reshape(len(states), -1)[:, :num_blocks]
+    else:
+        pis = np.stack([state[:num_blocks] for state in states])
+    check_distribution(pis, num_blocks)
+    return pis
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -199,6 +228,33 @@ def draw_blocks(step_seeds: Sequence[int], pi: np.ndarray) -> list[int]:
     cdf = np.cumsum(pi, dtype=np.float64)
     targets = np.array([_block_uniform(int(s)) for s in step_seeds], dtype=np.float64) * cdf[-1]
     return np.minimum(np.searchsorted(cdf, targets, side="right"), len(pi) - 1).tolist()
+
+
+DRAW_CELLS = 1 << 22  # (client, step, block) comparisons made at once by draw_block_rows (4 MB of bools)
+
+
+def cdf_rows(pis: np.ndarray) -> np.ndarray:
+    """np.cumsum(pi, dtype=float64) of every row: the same sequential float64 sums (torch's CPU cumsum adds along a
+    row in order, as numpy's does, and is several times faster across many rows)."""
+    return torch.from_numpy(pis.astype(np.float64)).cumsum(dim=1).numpy()
+
+
+def draw_block_rows(step_seeds: np.ndarray, pis: np.ndarray) -> np.ndarray:
+    """`draw_blocks` for many clients at once: row c is draw_blocks(step_seeds[c], pis[c]), the same numbers. Each
+    distinct seed's uniform is drawn once (clients that share seeds share them). searchsorted(cdf, x, "right") is
+    the count of cdf entries <= x: a row's cdf never decreases, so that is the first entry above x, found by
+    exact comparisons (or all of them, when none is above: the last block, as draw_blocks clips it)."""
+    unique, inverse = np.unique(step_seeds, return_inverse=True)
+    uniforms = np.array([_block_uniform(s) for s in unique.tolist()], dtype=np.float64)
+    cdf = cdf_rows(pis)
+    targets = uniforms[inverse.reshape(step_seeds.shape)] * cdf[:, -1:]
+    blocks = np.empty(step_seeds.shape, dtype=np.int64)
+    rows = max(1, DRAW_CELLS // max(1, targets.shape[1] * cdf.shape[1]))
+    for first in range(0, len(cdf), rows):
+        part = slice(first, first + rows)
+        blocks[part] = np.argmax(cdf[part, None, :] > targets[part, :, None], axis=2)
+    blocks[cdf[:, -1:] <= targets] = pis.shape[1] - 1
+    return blocks
 
 
 def draw_block(step_seed: int, pi: np.ndarray) -> int:
@@ -232,3 +288,10 @@ def probe_energy(grads: np.ndarray, pi: np.ndarray, blocks: Sequence[int]) -> np
     """pi_b g^2, an unbiased estimate of the drawn block's gradient energy |grad_b|^2, for each step (rows of
     `grads`, one scalar per query) averaged over its queries."""
     return (pi.astype(np.float64)[list(blocks)][:, None] * grads.astype(np.float64) ** 2).mean(axis=1)
+
+
+def probe_energy_rows(grads: np.ndarray, pis: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+    """`probe_energy` for many clients at once (grads (clients, steps, queries), pis (clients, blocks), blocks
+    (clients, steps)): the same products, and the same mean over each step's queries."""
+    pi_b = np.take_along_axis(pis, blocks, axis=1).astype(np.float64)
+    return (pi_b[..., None] * grads.astype(np.float64) ** 2).mean(axis=-1)

@@ -25,6 +25,7 @@ from zofed.fl.aggregate import Contribution, WeightedMean
 from zofed.fl.client import ClientContext, load_tensors_
 from zofed.fl.methods import get_method
 from zofed.fl.plan import FederationPlan, LocalTraining
+from zofed.fl.pooled import PooledTerms, RoundSteps
 from zofed.fl.protocol import ClientUpdate, ServerBroadcast, decode, encode
 from zofed.fl.server import RoundInbox, broadcast, rebuild_client_update, receive, unflatten
 from zofed.fl.server_opt import ServerOptimizer, make_server_optimizer
@@ -54,6 +55,7 @@ class ServerRole:
         self.num_trainable = sum(t.numel() for t in self.tensors)
         self.method_state = self.method.init_state(self)
         self._sent: dict[int, np.ndarray] = {}  # each client's server state this round, for its rebuild
+        self._steps: tuple[Sequence[ClientUpdate], int, dict, RoundSteps] | None = None  # the round as arrays
         self.last_seconds: dict[str, float] = {}  # the last aggregate's time by phase (rebuild, observe, optimizer)
 
     def round_plan(self, round_id: int) -> LocalTraining:
@@ -86,19 +88,39 @@ class ServerRole:
         return Contribution(update.client_id, update.num_examples, None,
                             self.method.directions(update, local, self.tensors, self.masks, sent))
 
+    def round_steps(self, accepted: Sequence[ClientUpdate], sent: dict[int, np.ndarray]) -> RoundSteps:
+        """The round's seed-and-scalar uplinks as arrays, built once per `aggregate`: the pooled mean and the
+        method's `observe` both read them."""
+        cached = self._steps  # kept with the objects it was built from (and the length: an inbox may still grow)
+        if cached is None or cached[0] is not accepted or cached[1] != len(accepted) or cached[2] is not sent:
+            self._steps = cached = (accepted, len(accepted), sent, RoundSteps.of(accepted, sent))
+        return cached[3]
+
+    def pooled_terms(self, local: LocalTraining, accepted: Sequence[ClientUpdate]) -> PooledTerms | None:
+        """The round pooled per (seed, tensor) on arrays, when the aggregator takes it (`update_pooled`) and the
+        method can (`Method.pooled_terms`); None: the general path, a `Contribution` per client."""
+        if not accepted or self.method.dense_uplink or not hasattr(self.aggregator, "update_pooled"):
+            return None  # (`receive` accepts dense uplinks only from a method that sends them)
+        return self.method.pooled_terms(local, self.round_steps(accepted, self._sent), self.tensors, self.masks)
+
     def aggregate(self, local: LocalTraining, inbox: RoundInbox) -> None:
         """Aggregate the accepted updates, let the method learn from them, apply the server optimizer.
         A round with no accepted update keeps the model."""
         times = [time.perf_counter()]
         if inbox.accepted:
-            contributions = [self.contribution(u, local) for u in inbox.accepted]
-            delta, self.agg_state = self.aggregator.update(self.tensors, contributions, self.agg_state)
+            pooled = self.pooled_terms(local, inbox.accepted)
+            if pooled is not None:  # the round summed on arrays: no per-client objects (pooled.py)
+                delta, self.agg_state = self.aggregator.update_pooled(self.tensors, pooled, self.agg_state)
+            else:
+                contributions = [self.contribution(u, local) for u in inbox.accepted]
+                delta, self.agg_state = self.aggregator.update(self.tensors, contributions, self.agg_state)
             times.append(time.perf_counter())
             extras = self.method.observe(self, local, inbox.accepted, self._sent, delta)
             times.append(time.perf_counter())
             self.opt_state = self.optimizer.apply(self.tensors, self.opt_state, delta, **extras)
             times.append(time.perf_counter())
         self._sent.clear()
+        self._steps = None
         phases = ("rebuild", "observe", "optimizer")
         self.last_seconds = {p: b - a for p, a, b in zip(phases, times, times[1:], strict=False)}
 

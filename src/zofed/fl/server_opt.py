@@ -19,8 +19,11 @@ optionally the trust ratio (`relative`), then the schedule.
 Moments per `coordinate` keep v per coordinate (FedAdam, FedYogi, FedAMSGrad); per `tensor` they keep one v per
 trainable tensor, the mean of d^2 over it: the step keeps the direction inside a tensor and only sets each
 tensor's step size, which suits ZO pseudo-gradients (noise spread evenly over a tensor, which per-coordinate
-division would turn into sign noise). A tensor-wise v can warm-start from the energy its first round is expected
-to carry (`warm_start`; the method supplies `expected_square`).
+division would turn into sign noise). `global` keeps one v for the whole update (the mean of d^2 over every
+trainable value, kept in each tensor's slot): the step keeps the direction of the whole update, so tensors keep
+their relative step sizes, and only its length is set; a noisy tensor is not blown up to a full step. A
+tensor-wise v can warm-start from the energy its first round is expected to carry (`warm_start`; the method
+supplies `expected_square`).
 
 The relative step makes lr a relative step size, so a small-valued tensor (a freshly drawn classifier head, std
 0.02) is not moved as far as a unit-scale gain; an all-zero tensor moves by lr, as if absolute. The cosine
@@ -38,7 +41,7 @@ import torch
 
 from zofed.zo.optim import OptState
 
-GRANULARITIES = ("coordinate", "tensor")
+GRANULARITIES = ("coordinate", "tensor", "global")
 Buffers = dict[str, list[torch.Tensor]]
 
 
@@ -86,6 +89,9 @@ class Moments:
 
     def update(self, steps, buffers, tensors, step, extras):
         expected = extras.get("expected_square") if self.warm_start else None
+        if self.granularity == "global":  # one mean square over every value, the same in each tensor's slot
+            total = sum(s.num.numel() for s in steps)
+            shared = sum(float(s.num.double().pow(2).sum()) for s in steps) / max(total, 1)
         out = []
         for i, s in enumerate(steps):
             d = s.num
@@ -95,7 +101,12 @@ class Moments:
                 if self.rule == "amsgrad":
                     buffers["vhat"][i].copy_(v)
             m.mul_(self.beta1).add_(d, alpha=1 - self.beta1)
-            d2 = d * d if self.granularity == "coordinate" else (d * d).mean().reshape(1)
+            if self.granularity == "coordinate":
+                d2 = d * d
+            elif self.granularity == "tensor":
+                d2 = (d * d).mean().reshape(1)
+            else:
+                d2 = v.new_full((1,), shared)
             if self.rule == "yogi":
                 v.sub_(d2 * torch.sign(v - d2), alpha=1 - self.beta2)
             else:
@@ -190,8 +201,8 @@ def _adaptive(rule: str) -> Callable[..., tuple[Piece, ...]]:
               beta2: float = 0.99, tau: float = 1e-6, warm_start: bool = False, relative: bool = False
               ) -> tuple[Piece, ...]:
         if granularity not in GRANULARITIES:
-            raise ValueError(f"unknown server optimizer granularity {granularity!r}; choose coordinate or tensor")
-        if warm_start and granularity != "tensor":
+            raise ValueError(f"unknown server optimizer granularity {granularity!r}; choose {', '.join(GRANULARITIES)}")
+        if warm_start and granularity != "tensor":  # the expected energy is known per tensor
             raise ValueError("a warm start needs tensor-wise moments (granularity tensor)")
         moments = Moments(rule, granularity, beta1, beta2, tau, warm_start)
         return (moments, *((TrustRatio(),) if relative else ()), Schedule(lr, decay_rounds))

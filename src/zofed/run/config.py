@@ -131,7 +131,7 @@ class ServerOptimizerSection(_Section):
 
     name: str | None = None  # a registered server optimizer (fl/server_opt.py): sgd, adam, yogi, amsgrad
     lr: float | None = Field(None, gt=0)
-    granularity: Literal["coordinate", "tensor"] | None = None
+    granularity: Literal["coordinate", "tensor", "global"] | None = None
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.99, ge=0, lt=1)
     tau: float = Field(1e-6, gt=0)

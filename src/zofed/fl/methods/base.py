@@ -22,6 +22,7 @@ import torch
 from zofed.fl.client import ClientContext, run_zo_client
 from zofed.fl.personal import BlockSampling
 from zofed.fl.plan import LocalTraining
+from zofed.fl.pooled import PooledTerms, RoundSteps, StepBlocks, pool_steps
 from zofed.fl.protocol import ClientUpdate, step_seeds
 from zofed.zo.noise import derive_seed
 from zofed.zo.perturb import Perturbation
@@ -131,6 +132,25 @@ class Method:
             else:
                 groups.append((pert, terms))
         return groups
+
+    def step_blocks(self, local: LocalTraining, like: Sequence[torch.Tensor],
+                    masks: Sequence[torch.Tensor | None] | None, steps: RoundSteps) -> StepBlocks | None:
+        """Every step of a round at once, as `perturbations` would give them one by one: the block of tensors each
+        moved and its scale, under one perturbation without scales (pooled.py). None when the steps do not pool
+        that way: the round then takes the general path, client by client."""
+        if type(self).perturbations is not Method.perturbations:
+            return None  # a method with its own perturbations must say how they pool
+        return StepBlocks.every_tensor(Perturbation(kind=local.noise, masks=masks), len(like), steps)
+
+    def pooled_terms(self, local: LocalTraining, steps: RoundSteps, like: Sequence[torch.Tensor],
+                     masks: Sequence[torch.Tensor | None] | None) -> PooledTerms | None:
+        """The round's weighted sum of updates as one coefficient per (seed, tensor), computed on arrays for all
+        clients at once: bit for bit what pooling their `directions` gives (aggregate.py's `WeightedMean`). None
+        when it does not apply: a stateful local optimizer, or steps that do not pool."""
+        if not local.linear_steps:
+            return None
+        where = self.step_blocks(local, like, masks, steps)
+        return None if where is None else pool_steps(steps, where, local.lr)
 
     def observe(self, server: ServerRole, local: LocalTraining, accepted: Sequence[ClientUpdate],
                 sent: dict[int, np.ndarray], delta: Sequence[torch.Tensor]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ import torch
 from zofed import streams
 from zofed.fl.methods.base import Method, StepSeeds, private_seeds
 from zofed.fl.plan import LocalTraining
+from zofed.fl.pooled import RoundSteps, StepBlocks
 from zofed.fl.protocol import ClientUpdate
 from zofed.zo.perturb import Perturbation
 
@@ -80,6 +81,14 @@ class HiSo(Method):
             self._last = (server_state, list(torch.split(flat, [t.numel() for t in like])))
         base = Perturbation(kind=local.noise, masks=masks, precondition=self._last[1])
         return [base] * len(seeds)
+
+    def step_blocks(self, local: LocalTraining, like: Sequence[torch.Tensor],
+                    masks: Sequence[torch.Tensor | None] | None, steps: RoundSteps) -> StepBlocks | None:
+        """Every client of a round was sent the same preconditioner: one perturbation for all their steps."""
+        if any(state is not steps.states[0] for state in steps.states):
+            return None  # not the round's one array: rebuilt client by client
+        pert = self.perturbations(local, like, masks, [0], steps.states[0])[0]
+        return StepBlocks.every_tensor(pert, len(like), steps)
 
     def init_state(self, server: ServerRole) -> SecondMoment:
         return SecondMoment([torch.ones(t.numel(), dtype=torch.float32, device=t.device) for t in server.tensors])

@@ -26,13 +26,17 @@ from zofed.fl.personal import (
     block_sizes,
     check_distribution,
     client_distribution,
+    draw_block_rows,
     draw_blocks,
     expected_update_square,
     global_energy,
     probe_energy,
+    probe_energy_rows,
+    stack_distributions,
     tensor_blocks,
 )
 from zofed.fl.plan import LocalTraining
+from zofed.fl.pooled import RoundSteps, StepBlocks
 from zofed.fl.protocol import ClientUpdate, step_seeds
 from zofed.zo.perturb import Perturbation
 
@@ -63,6 +67,16 @@ def block_probes(update: ClientUpdate, pi: np.ndarray) -> tuple[list[int], list[
     return blocks, probe_energy(update.grads, pi, blocks).tolist()
 
 
+def round_draws(steps: RoundSteps, num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every client's pi (clients, blocks) and every step's drawn block (clients, steps), drawn once a round:
+    the pooled rebuild and observe both need them."""
+    key = f"zofed.draws.{num_blocks}"
+    if key not in steps.memo:
+        pis = stack_distributions(steps.states, num_blocks)
+        steps.memo[key] = (pis, draw_block_rows(steps.seeds, pis))
+    return steps.memo[key]
+
+
 class Zofed(Method):
     name = "zofed"
     summary = ("one block a step, drawn from each client's own distribution; base seed and one scalar a step "
@@ -89,6 +103,16 @@ class Zofed(Method):
         tilt = MomentumTilt.from_flat(server_state[num_blocks:], like, local.tilt) if local.tilt else None
         return [block_perturbation(b, pi, local.noise, masks, tilt, layout) for b in draw_blocks(seeds, pi)]
 
+    def step_blocks(self, local: LocalTraining, like: Sequence[torch.Tensor],
+                    masks: Sequence[torch.Tensor | None] | None, steps: RoundSteps) -> StepBlocks | None:
+        """Each step's drawn block and scale 1/sqrt(pi_b), for all clients at once (`perturbations`' draws)."""
+        if local.tilt:
+            return None  # a tilted step adds the momentum sent with its own weight: rebuilt client by client
+        layout = tensor_blocks(like, local.blocks)
+        pis, blocks = round_draws(steps, int(layout.max()) + 1)
+        scales = 1.0 / np.sqrt(np.take_along_axis(pis, blocks, axis=1).astype(np.float64))
+        return StepBlocks(Perturbation(kind=local.noise, masks=masks), layout, blocks, scales)
+
     def init_state(self, server: ServerRole) -> BlockState:
         sampling = server.plan.sampling
         if sampling.tilt and "m" not in server.opt_state.buffers:
@@ -112,15 +136,17 @@ class Zofed(Method):
         """Files each step's probe under its client and block; with a warm-started server optimizer, returns
         each tensor's expected mean square of this round's update."""
         state: BlockState = server.method_state
-        num_blocks = len(state.sizes)
-        pis = {u.client_id: sent[u.client_id][:num_blocks] for u in accepted}
-        probes = {u.client_id: block_probes(u, pis[u.client_id]) for u in accepted}
-        for client_id, (blocks, energies) in probes.items():
-            state.stats.record(client_id, blocks, energies)
+        if not accepted:
+            return {}
+        # all clients at once (the same draws, energies and sums as block_probes and record, client by client)
+        steps = server.round_steps(accepted, sent)
+        pis, blocks = round_draws(steps, len(state.sizes))
+        state.stats.record_round(steps.client_ids, blocks, probe_energy_rows(steps.grads, pis, blocks))
         if "expected_square" not in server.optimizer.extras:
             return {}
-        total = sum(u.num_examples for u in accepted)
-        steps = [(u.num_examples / total, pis[u.client_id][b], b) for u in accepted for b in probes[u.client_id][0]]
+        pi_b = np.take_along_axis(pis, blocks, axis=1)
+        drawn = [(w, p, b) for w, row_p, row_b in zip(steps.weights.tolist(), pi_b.tolist(), blocks.tolist(),
+                                                       strict=True) for p, b in zip(row_p, row_b, strict=True)]
         energy = global_energy(state.stats, state.sizes, server.plan.sampling)
         return {"expected_square": expected_update_square(energy, state.tensor_sizes, state.numels, local.lr,
-                                                          local.queries, steps, state.layout)}
+                                                          local.queries, drawn, state.layout)}
