@@ -69,8 +69,10 @@ ROWS: dict[str, tuple[str, bool]] = {
     "zofed-uncached": ("zofed", False),  # the method alone, at the baselines' one query a step
     "zofed-shared": ("zofed", True),  # the round's clients share step seeds (ROW_OPTIONS): the server's cheap case
     "zofed-zo-adam": ("zofed", True),  # local ZO-Adam on the clients, replayed exactly by the server
-    "zofed-global": ("zofed", True),  # one server second moment for the whole update, not one per tensor
-    "zofed-cosine": ("zofed", True),  # the server lr falls along a cosine to zero over the run
+    "zofed-tensor": ("zofed", True),  # one server second moment per tensor (zofed's default until global won)
+    "zofed-uncached-tensor": ("zofed", False),
+    "zofed-cosine-tensor": ("zofed", True),  # the server lr falls along a cosine to zero over the run
+    "zofed-beta1-0.5": ("zofed", True),  # a server momentum that forgets in 2 rounds, not 10
     "hiso": ("hiso", False),
     "fedkseed": ("fedkseed", False),
     "decomfl": ("decomfl", False),
@@ -83,9 +85,11 @@ ROWS: dict[str, tuple[str, bool]] = {
 }
 HEADLINE = ["zofed", "hiso", "fedkseed", "decomfl", "zo-seeds", "fedmezo", "fedavg-lora"]
 METHOD_OPTIONS = {"fedkseed": ["federation.pool_size=64"]}
+TENSORWISE = "federation.server_optimizer.granularity=tensor"
 ROW_OPTIONS = {"zofed-shared": ["federation.sampling.shared_seeds=true"], "zofed-zo-adam": ["optimizer.name=zo-adam"],
-               "zofed-global": ["federation.server_optimizer.granularity=global"],
-               "zofed-cosine": ["federation.server_optimizer.decay=cosine"]}
+               "zofed-tensor": [TENSORWISE], "zofed-uncached-tensor": [TENSORWISE],
+               "zofed-cosine-tensor": [TENSORWISE, "federation.server_optimizer.decay=cosine"],
+               "zofed-beta1-0.5": ["federation.server_optimizer.beta1=0.5"]}
 
 
 def row_overrides(row: str, trainable: str) -> tuple[list[str], float]:

@@ -50,11 +50,13 @@ def run_rows(work: Callable[..., dict], pending: Sequence[tuple], key: Callable[
 
 def _store_row(table: dict, path: Path, key: str, row: dict) -> None:
     """Add `row` to the table on disk, under a lock, keeping rows that another sitting of the same benchmark wrote
-    since this one read the file (two sittings may run side by side, each with its own rows)."""
+    since this one read the file (two sittings may run side by side, each with its own rows). The disk's rows are
+    the base: every row this sitting stored is there already, and a row renamed or dropped on disk since this
+    sitting started stays so."""
     with open(path.with_name(path.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if path.is_file():
-            table["rows"] = {**table["rows"], **json.loads(path.read_text()).get("rows", {})}  # the disk is newer
+            table["rows"] = dict(json.loads(path.read_text()).get("rows", {}))  # the disk is newer
         table["rows"][key] = row
         write_atomic_text(path, json.dumps(table, indent=2))
 

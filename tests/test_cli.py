@@ -150,4 +150,4 @@ def test_methods_lists_every_registered_method_with_its_server_default():
     assert result.exit_code == 0, result.output
     for name in method_names():
         assert name in result.output
-    assert "adam lr 0.01, tensor, relative" in result.output  # zofed's own server step
+    assert "adam lr 0.01, global, relative" in result.output  # zofed's own server step

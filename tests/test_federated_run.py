@@ -157,11 +157,11 @@ def test_first_order_methods_name_their_server_optimizer(tiny_workspace, tmp_pat
     assert results["method"] == "fedadam" and results["bytes_up_per_client_round"] > 1000
 
 
-def test_zofed_defaults_to_relative_block_adam_and_other_choices_do_not_inherit_it():
+def test_zofed_defaults_to_relative_global_adam_and_other_choices_do_not_inherit_it():
     """zofed's server step is relative by default; an optimizer the user names instead takes its own absolute lr,
     and an explicit relative=false wins."""
     zofed = ServerOptimizerSection().resolved("zofed", 10)
-    assert (zofed["name"], zofed["granularity"], zofed["relative"], zofed["lr"]) == ("adam", "tensor", True, 1e-2)
+    assert (zofed["name"], zofed["granularity"], zofed["relative"], zofed["lr"]) == ("adam", "global", True, 1e-2)
     assert [type(p).__name__ for p in ServerOptimizerSection().build("zofed", 10).pieces] == [
         "Moments", "TrustRatio", "Schedule"]
     yogi = ServerOptimizerSection(name="yogi").resolved("zofed", 10)

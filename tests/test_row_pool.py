@@ -38,3 +38,11 @@ def test_a_row_rewritten_on_disk_by_another_sitting_is_not_undone(tmp_path):
     path.write_text(json.dumps({"meta": {}, "rows": {"shared": {"value": 2}}}))
     _store_row(stale, path, "mine", {"value": 3})
     assert json.loads(path.read_text())["rows"] == {"shared": {"value": 2}, "mine": {"value": 3}}
+
+
+def test_a_row_renamed_on_disk_while_a_sitting_runs_does_not_come_back(tmp_path):
+    path = tmp_path / "table.json"
+    stale = {"meta": {}, "rows": {"old-name": {"value": 1}}}  # read before the row was renamed on disk
+    path.write_text(json.dumps({"meta": {}, "rows": {"new-name": {"value": 1}}}))
+    _store_row(stale, path, "mine", {"value": 3})
+    assert json.loads(path.read_text())["rows"] == {"new-name": {"value": 1}, "mine": {"value": 3}}

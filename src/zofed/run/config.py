@@ -126,8 +126,8 @@ class FinetuneConfig(_Section):
 
 
 class ServerOptimizerSection(_Section):
-    """Unset fields take the method's default (its `server_default` in fl/methods/): zofed uses tensor-wise adam
-    with relative steps."""
+    """Unset fields take the method's default (its `server_default` in fl/methods/): zofed uses adam with one
+    second moment for the whole update (granularity global) and relative steps."""
 
     name: str | None = None  # a registered server optimizer (fl/server_opt.py): sgd, adam, yogi, amsgrad
     lr: float | None = Field(None, gt=0)

@@ -80,9 +80,9 @@ def round_draws(steps: RoundSteps, num_blocks: int) -> tuple[np.ndarray, np.ndar
 class Zofed(Method):
     name = "zofed"
     summary = ("one block a step, drawn from each client's own distribution; base seed and one scalar a step "
-               "uploaded; tensor-wise adaptive momentum on the server")
+               "uploaded; adaptive momentum on the server, one second moment for the whole update")
     uses_sampling = True
-    server_default = ServerDefault("adam", 1e-2, "tensor", relative=True)
+    server_default = ServerDefault("adam", 1e-2, "global", relative=True)
 
     def round_method(self, personalize: bool) -> str:
         return self.name if personalize else "zo-seeds"  # without personalization every step is dense
