@@ -73,6 +73,7 @@ ROWS: dict[str, tuple[str, bool]] = {
     "zofed-uncached-tensor": ("zofed", False),
     "zofed-cosine-tensor": ("zofed", True),  # the server lr falls along a cosine to zero over the run
     "zofed-beta1-0.5": ("zofed", True),  # a server momentum that forgets in 2 rounds, not 10
+    "zofed-beta1-ramp": ("zofed", True),  # server beta1 rising from 0.5 to 0.9 over the run
     "hiso": ("hiso", False),
     "fedkseed": ("fedkseed", False),
     "decomfl": ("decomfl", False),
@@ -89,7 +90,8 @@ TENSORWISE = "federation.server_optimizer.granularity=tensor"
 ROW_OPTIONS = {"zofed-shared": ["federation.sampling.shared_seeds=true"], "zofed-zo-adam": ["optimizer.name=zo-adam"],
                "zofed-tensor": [TENSORWISE], "zofed-uncached-tensor": [TENSORWISE],
                "zofed-cosine-tensor": [TENSORWISE, "federation.server_optimizer.decay=cosine"],
-               "zofed-beta1-0.5": ["federation.server_optimizer.beta1=0.5"]}
+               "zofed-beta1-0.5": ["federation.server_optimizer.beta1=0.5"],
+               "zofed-beta1-ramp": ["federation.server_optimizer.beta1_start=0.5"]}
 
 
 def row_overrides(row: str, trainable: str) -> tuple[list[str], float]:

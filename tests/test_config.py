@@ -11,6 +11,7 @@ from zofed.run.config import (
     dump_config,
     load_config,
     parse_overrides,
+    pinned,
 )
 
 
@@ -62,7 +63,9 @@ def test_a_dumped_federated_config_loads_again_and_resumes(tmp_path):
     cfg = load_config(None, ["federation.rounds=3", "train.batch_size=4", f"out_dir={tmp_path}"],
                       schema=FederatedConfig)
     dump_config(cfg, tmp_path / "config.yaml")  # it holds train.steps etc. at their defaults
-    assert load_config(tmp_path / "config.yaml", schema=FederatedConfig) == cfg
+    stored = load_config(tmp_path / "config.yaml", schema=FederatedConfig)
+    assert stored == pinned(cfg) != cfg  # the method's server defaults are written out
+    assert stored.federation.server_optimizer.granularity == "global"
     check_resumed_config(cfg, tmp_path / "config.yaml")
     # a default value set explicitly is no different from a dumped one
     assert load_config(None, ["train.steps=200"], schema=FederatedConfig).train.steps == 200

@@ -78,17 +78,26 @@ def test_resume_refuses_a_run_made_with_another_config(tiny_workspace, tmp_path)
 
 
 def test_resume_compares_the_server_optimizer_as_it_will_run(tiny_workspace, tmp_path):
-    """A stored config that spells out a method default (`relative: false` for zo-seeds' sgd) continues under a new
-    one that leaves it unset; a default that really changes the run is refused."""
+    """The stored config spells out the method's defaults (`relative: false` for zo-seeds' sgd), and a new config
+    that leaves them unset continues it, as does a config stored unpinned; a setting that really changes the run
+    is refused, and so is a method default that changed since the run was stored."""
     out = tmp_path / "run"
     run_federated(_config(tiny_workspace, out, "federation.method=zo-seeds", "federation.rounds=1"),
                   show_progress=False)
     stored = (out / "config.yaml").read_text()
-    assert "relative: null" in stored
-    (out / "config.yaml").write_text(stored.replace("relative: null", "relative: false"))
+    assert "relative: false" in stored and "name: sgd" in stored
+    (out / "config.yaml").write_text(stored.replace("relative: false", "relative: null"))
     results = run_federated(_config(tiny_workspace, out, "federation.method=zo-seeds", "federation.rounds=2"),
                             resume=True, show_progress=False)
     assert results["rounds"] == 2
+    # zofed's run stored under an older default (one second moment per tensor) is not resumed under today's
+    zofed = tmp_path / "zofed"
+    run_federated(_config(tiny_workspace, zofed, "federation.rounds=1"), show_progress=False)
+    text = (zofed / "config.yaml").read_text()
+    assert "granularity: global" in text
+    (zofed / "config.yaml").write_text(text.replace("granularity: global", "granularity: tensor"))
+    with pytest.raises(ConfigError, match=r"granularity \('tensor' -> 'global'\)"):
+        run_federated(_config(tiny_workspace, zofed, "federation.rounds=2"), resume=True, show_progress=False)
     with pytest.raises(ConfigError, match=r"federation.server_optimizer.lr \(1.0 -> 0.5\)"):
         run_federated(_config(tiny_workspace, out, "federation.method=zo-seeds", "federation.rounds=3",
                               "federation.server_optimizer.lr=0.5"), resume=True, show_progress=False)
@@ -172,6 +181,10 @@ def test_zofed_defaults_to_relative_global_adam_and_other_choices_do_not_inherit
     assert not ServerOptimizerSection().resolved("fedadam", 10)["relative"]
     assert ServerOptimizerSection().resolved("zofed", 10)["decay_rounds"] == 0
     assert ServerOptimizerSection(decay="cosine").build("zofed", 10).lr_at(10) == 0.0
+    ramp = ServerOptimizerSection(beta1_start=0.5).resolved("zofed", 10)
+    assert (ramp["beta1_start"], ramp["ramp_rounds"]) == (0.5, 10)  # the ramp spans the run, as a cosine does
+    with pytest.raises(ConfigError, match="beta1 ramp needs an adaptive"):
+        ServerOptimizerSection(beta1_start=0.5).build("zo-seeds", 10)
 
 
 def test_a_cosine_server_step_cannot_be_stretched_over_more_rounds_on_resume(tiny_workspace, tmp_path):

@@ -196,6 +196,41 @@ def test_cosine_decay_shrinks_the_server_step_to_zero_over_the_run(name):
         ServerOptimizer("adam", decay_rounds=-1)
 
 
+def test_a_beta1_ramp_rises_linearly_and_a_restored_state_continues_it():
+    """beta1_start 0.5 over 5 rounds: the r-th round's first moment follows m <- b_r m + (1 - b_r) d with
+    b_r = 0.5 + 0.1 r, so the first round moves as a constant beta1 0.5 would and the last as 0.9; the round
+    counter in the state carries the ramp across a checkpoint."""
+    gen = torch.Generator().manual_seed(1)
+    deltas = [[torch.randn(4, generator=gen)] for _ in range(7)]
+    ramp = ServerOptimizer("adam", lr=0.1, granularity="global", beta1_start=0.5, ramp_rounds=5)
+    t = [torch.ones(4)]
+    state, m = ramp.init(t), torch.zeros(4)
+    for r, d in enumerate(deltas):
+        beta1 = 0.5 + 0.1 * min(r, 4)
+        m = beta1 * m + (1 - beta1) * d[0]
+        state = ramp.apply(t, state, d)
+        assert torch.allclose(state.buffers["m"][0], m, atol=1e-6)
+    first = {}
+    for name, opt in (("ramp", ramp), ("constant", ServerOptimizer("adam", lr=0.1, granularity="global", beta1=0.5))):
+        x = [torch.ones(4)]
+        opt.apply(x, opt.init(x), deltas[0])
+        first[name] = x[0]
+    assert torch.equal(first["ramp"], first["constant"])
+    a = [torch.ones(4)]
+    sa = ramp.init(a)
+    for d in deltas[:2]:
+        sa = ramp.apply(a, sa, d)
+    b = [a[0].clone()]
+    sb = type(sa).from_tensors({k: v.clone() for k, v in sa.to_tensors().items()})
+    for d in deltas[2:]:
+        sa, sb = ramp.apply(a, sa, d), ramp.apply(b, sb, d)
+    assert torch.equal(a[0], b[0])
+    with pytest.raises(ValueError, match="adaptive"):
+        ServerOptimizer("sgd", beta1_start=0.5, ramp_rounds=5)
+    with pytest.raises(ValueError, match="rounds"):
+        ServerOptimizer("adam", beta1_start=0.5)
+
+
 def test_expected_update_square_matches_the_mean_square_of_personalized_steps():
     """Over many rounds of two clients' one-block steps on a linear loss, the blocks' mean d^2 equals what
     expected_update_square predicts from the true block energies |grad_b|^2 and the blocks drawn. (Blocks

@@ -4,7 +4,8 @@ Each optimizer is a chain of small pieces (optax's habit), each an `init`/`updat
 tensor's step is kept as `scale * num / den` (den optional) until the end, so the chain applies it in one fused
 operation:
 
-    moments       m <- beta1 m + (1 - beta1) d               (d: the aggregated update, a descent direction)
+    moments       m <- beta1 m + (1 - beta1) d               (d: the aggregated update, a descent direction;
+                                                              beta1 constant, or rising linearly over R rounds)
                   adam:    v <- beta2 v + (1 - beta2) d^2
                   yogi:    v <- v - (1 - beta2) d^2 sign(v - d^2)   (v grows no faster than d^2 asks)
                   amsgrad: v as adam, vhat <- max(vhat, v), and vhat divides
@@ -75,10 +76,21 @@ class Moments:
     beta2: float = 0.99
     tau: float = 1e-6
     warm_start: bool = False
+    beta1_start: float | None = None  # set: beta1 rises linearly from it in the first round to beta1 after
+    ramp_rounds: int = 0  # ... this many rounds
 
     @property
     def extras(self) -> frozenset[str]:
         return frozenset({"expected_square"}) if self.warm_start else frozenset()
+
+    def beta1_at(self, step: int) -> float:
+        """The momentum of the round that follows `step` applied rounds. Without Adam's bias correction a
+        small beta1 takes larger steps along a persistent direction while v is still young, and forgets sooner;
+        a ramp takes those early steps and keeps the smoothing of a large beta1 for the end."""
+        if self.beta1_start is None or self.ramp_rounds <= 1:
+            return self.beta1
+        return self.beta1_start + (self.beta1 - self.beta1_start) * min(step, self.ramp_rounds - 1) / (
+            self.ramp_rounds - 1)
 
     def init(self, tensors: Sequence[torch.Tensor]) -> Buffers:
         second = [torch.zeros_like(t) if self.granularity == "coordinate" else t.new_zeros(1) for t in tensors]
@@ -92,6 +104,7 @@ class Moments:
         if self.granularity == "global":  # one mean square over every value, the same in each tensor's slot
             total = sum(s.num.numel() for s in steps)
             shared = sum(float(s.num.double().pow(2).sum()) for s in steps) / max(total, 1)
+        beta1 = self.beta1_at(step)
         out = []
         for i, s in enumerate(steps):
             d = s.num
@@ -100,7 +113,7 @@ class Moments:
                 v.fill_((1 - self.beta2) * float(expected[i]))
                 if self.rule == "amsgrad":
                     buffers["vhat"][i].copy_(v)
-            m.mul_(self.beta1).add_(d, alpha=1 - self.beta1)
+            m.mul_(beta1).add_(d, alpha=1 - beta1)
             if self.granularity == "coordinate":
                 d2 = d * d
             elif self.granularity == "tensor":
@@ -198,13 +211,17 @@ def _sgd(lr: float, decay_rounds: int = 0, **_: Any) -> tuple[Piece, ...]:
 
 def _adaptive(rule: str) -> Callable[..., tuple[Piece, ...]]:
     def build(lr: float, decay_rounds: int = 0, granularity: str = "coordinate", beta1: float = 0.9,
-              beta2: float = 0.99, tau: float = 1e-6, warm_start: bool = False, relative: bool = False
-              ) -> tuple[Piece, ...]:
+              beta2: float = 0.99, tau: float = 1e-6, warm_start: bool = False, relative: bool = False,
+              beta1_start: float | None = None, ramp_rounds: int = 0) -> tuple[Piece, ...]:
         if granularity not in GRANULARITIES:
             raise ValueError(f"unknown server optimizer granularity {granularity!r}; choose {', '.join(GRANULARITIES)}")
         if warm_start and granularity != "tensor":  # the expected energy is known per tensor
             raise ValueError("a warm start needs tensor-wise moments (granularity tensor)")
-        moments = Moments(rule, granularity, beta1, beta2, tau, warm_start)
+        if beta1_start is not None and not 0 <= beta1_start < 1:
+            raise ValueError(f"beta1_start must lie in [0, 1), not {beta1_start}")
+        if beta1_start is not None and ramp_rounds < 1:
+            raise ValueError(f"a beta1 ramp needs a number of rounds to rise over, not {ramp_rounds}")
+        moments = Moments(rule, granularity, beta1, beta2, tau, warm_start, beta1_start, ramp_rounds)
         return (moments, *((TrustRatio(),) if relative else ()), Schedule(lr, decay_rounds))
 
     return build
@@ -245,5 +262,7 @@ def make_server_optimizer(name: str = "sgd", lr: float | None = None, *, decay_r
             raise ValueError(f"relative steps need an adaptive server optimizer (adam, yogi or amsgrad), not {name}")
         if warm_start:
             raise ValueError("a warm start needs a tensor-wise adaptive server optimizer (adam, yogi or amsgrad)")
+        if moments.get("beta1_start") is not None:
+            raise ValueError(f"a beta1 ramp needs an adaptive server optimizer (adam, yogi or amsgrad), not {name}")
         return ServerOptimizer(name, kind.build(lr, decay_rounds))
     return ServerOptimizer(name, kind.build(lr, decay_rounds, relative=relative, warm_start=warm_start, **moments))

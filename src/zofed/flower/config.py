@@ -34,7 +34,8 @@ RUN_CONFIG_KEYS: dict[str, str] = {
 
 
 def config_text(config: FederatedConfig) -> str:
-    """The YAML every app of the run reads (the same text `dump_config` writes to the run directory)."""
+    """The YAML every app of the run reads. Method defaults stay unset here, as the user left them (a flat
+    `method=` key then brings its own server optimizer); the run directory's config.yaml pins them."""
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
 
 

@@ -6,6 +6,7 @@ to a default.
 
 from __future__ import annotations
 
+import os
 import types
 import typing
 from pathlib import Path
@@ -133,6 +134,7 @@ class ServerOptimizerSection(_Section):
     lr: float | None = Field(None, gt=0)
     granularity: Literal["coordinate", "tensor", "global"] | None = None
     beta1: float = Field(0.9, ge=0, lt=1)
+    beta1_start: float | None = Field(None, ge=0, lt=1)  # set: beta1 rises linearly from it to beta1 over the run
     beta2: float = Field(0.99, ge=0, lt=1)
     tau: float = Field(1e-6, gt=0)
     warm_start: bool = False  # tensor-wise only: a tensor's v starts from its expected first-round energy
@@ -153,6 +155,8 @@ class ServerOptimizerSection(_Section):
         if SERVER_OPTIMIZERS[name].adaptive:
             settings.update(granularity=self.granularity or default.granularity, beta1=self.beta1, beta2=self.beta2,
                             tau=self.tau)
+        if self.beta1_start is not None:  # a plain step refuses it (make_server_optimizer says why)
+            settings.update(beta1_start=self.beta1_start, ramp_rounds=rounds)
         return settings
 
     @field_validator("name")
@@ -356,8 +360,28 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(_format_validation(err, origin)) from None
 
 
+def pinned(config: FinetuneConfig) -> FinetuneConfig:
+    """The config with the server optimizer's method defaults written out (name, lr, granularity, relative), so
+    that a stored config says what ran even after a later zofed changes a method's default: resuming the run
+    then names the change instead of continuing under another optimizer."""
+    if not isinstance(config, FederatedConfig):
+        return config
+    fed = config.federation
+    settings = fed.server_optimizer.resolved(fed.method, fed.rounds)
+    explicit = {k: settings[k] for k in ("name", "lr", "granularity", "relative") if k in settings}
+    section = fed.server_optimizer.model_copy(update=explicit)
+    return config.model_copy(update={"federation": fed.model_copy(update={"server_optimizer": section})})
+
+
+def config_yaml(config: FinetuneConfig) -> str:
+    """The YAML a run stores beside its results: every key, with the method defaults pinned."""
+    return yaml.safe_dump(pinned(config).model_dump(mode="json"), sort_keys=False)
+
+
 def dump_config(config: FinetuneConfig, path: Path) -> None:
-    path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    tmp = path.with_name(path.name + ".tmp")  # written whole or not at all
+    tmp.write_text(config_yaml(config))
+    os.replace(tmp, path)
 
 
 # What a resumed run may change: where it lives, how long it goes on, and how it is evaluated in batches
