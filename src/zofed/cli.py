@@ -238,6 +238,25 @@ def evaluate(
     console.print(" ".join(f"{k}={v:.4f}" for k, v in result.items()) + f" on {n} test examples")
 
 
+@app.command("export")
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="a run directory written by zofed finetune or zofed run")],
+    out: Annotated[Path, typer.Option(help="a new directory for the model (it must not exist, or be empty)")],
+    merge: Annotated[bool, typer.Option(help="LoRA runs: write the full model with the adapter merged in, "
+                                             "instead of the adapter directory")] = False,
+) -> None:
+    """Write a run's tuned model as a save_pretrained directory that transformers (or peft) load without zofed."""
+    from zofed.run.export import export_run
+
+    try:
+        exported = export_run(run_dir, out, merge=merge)
+    except _user_errors() as err:
+        _fail(str(err))
+    console.print(f"{exported.kind} written to {exported.out}: {', '.join(exported.files)}")
+    if exported.kind == "peft adapter":
+        console.print("load it with peft.PeftModel.from_pretrained(base_model, DIR), or export with --merge")
+
+
 @app.command()
 def methods() -> None:
     """List the registered federated methods (federation.method) and their server optimizer defaults."""

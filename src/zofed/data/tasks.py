@@ -63,7 +63,7 @@ class Batch:
         return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.labels.to(device))
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model inside a peft wrapper (LoRA layers are injected in place, so it runs them)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
@@ -188,13 +188,13 @@ class PromptClassification(Task):
         """Give the model its own copy of the label words' output rows (classes x hidden), which the logits then
         read instead of the output embedding: a trainable head that starts as the zero-shot classifier. The copy
         leaves a tied input embedding alone, and it is tiny (classes x 576 values on SmolLM2), so ZO moves it fast."""
-        lm = _unwrap(model)
+        lm = unwrap(model)
         weight = lm.get_output_embeddings().weight
         rows = weight[self.label_token_ids.to(weight.device)].detach().clone().float()
         lm.register_parameter(LABEL_HEAD, torch.nn.Parameter(rows.contiguous(), requires_grad=False))
 
     def logits(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-        lm = _unwrap(model)
+        lm = unwrap(model)
         backbone = getattr(lm, lm.base_model_prefix)
         hidden = backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
         return self.logits_from_hidden(model, hidden, batch)
@@ -212,7 +212,7 @@ class PromptClassification(Task):
 
     def logits_from_hidden(self, model: torch.nn.Module, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
         """Label-word logits at each row's last position, from the backbone's last hidden state."""
-        lm = _unwrap(model)
+        lm = unwrap(model)
         last = batch.attention_mask.sum(1) - 1
         h = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
         head = lm.get_output_embeddings()
