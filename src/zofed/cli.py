@@ -238,6 +238,35 @@ def evaluate(
     console.print(" ".join(f"{k}={v:.4f}" for k, v in result.items()) + f" on {n} test examples")
 
 
+@app.command()
+def generate(
+    run_dir: Annotated[Path, typer.Argument(help="a causal-lm run directory written by zofed finetune or zofed run")],
+    prompt: Annotated[list[str] | None, typer.Option("--prompt", "-p", help="an instruction to answer, repeatable")]
+    = None,
+    prompts_file: Annotated[Path | None, typer.Option(help="instructions, one per line; or a .jsonl file whose lines "
+                                                           "have an instruction (and optionally a context) field")]
+    = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="the longest answer, in tokens")] = 128,
+) -> None:
+    """Answer instructions greedily with a run's tuned model, in the run's prompt format (chat template or
+    task.template)."""
+    from zofed.run.generate import generate_from_run, read_prompts
+
+    try:
+        prompts = [*(prompt or []), *(read_prompts(prompts_file) if prompts_file is not None else [])]
+        if not prompts:
+            _fail("give at least one --prompt or a --prompts-file")
+        answers = generate_from_run(run_dir, prompts, max_new_tokens, show_progress=len(prompts) > 1)
+    except _user_errors() as err:
+        _fail(str(err))
+    except OSError as err:  # an unreadable --prompts-file
+        _fail(f"cannot read {prompts_file}: {err}")
+    for asked, answer in zip(prompts, answers, strict=True):
+        instruction = asked if isinstance(asked, str) else asked["instruction"]
+        console.print(f"[bold]> {escape(instruction)}[/]")
+        console.print(escape(answer), highlight=False)
+
+
 @app.command("export")
 def export(
     run_dir: Annotated[Path, typer.Argument(help="a run directory written by zofed finetune or zofed run")],

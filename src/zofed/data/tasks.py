@@ -4,7 +4,8 @@
   highest next-token logit (a verbalizer). Only the last real position's hidden state is projected, and
   only onto the label words' rows of the output embedding: the loss costs one backbone pass.
 - `encoder-classification`: an encoder with a classification head (e.g. MiniLM).
-- `causal-lm`: instruction data; mean next-token loss over the response tokens only.
+- `causal-lm`: instruction data; mean next-token loss over the response tokens only, and optionally ROUGE-L of
+  greedy generations against the reference responses (zofed.data.generation).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from zofed.data.generation import Progress, generate_texts, rouge_l
 from zofed.data.sources import DataError, TextDataset
 from zofed.models.selection import LABEL_HEAD
 
@@ -27,16 +29,35 @@ if TYPE_CHECKING:
     from zofed.zo.prefix import PrefixCache
 
 TaskType = Literal["prompt-classification", "encoder-classification", "causal-lm"]
+# causal-lm prompts: auto takes task.template when one is set, else the tokenizer's chat template when it has
+# one, else INSTRUCTION_TEMPLATE; chat and template force one of the two.
+PromptFormat = Literal["auto", "chat", "template"]
 INSTRUCTION_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{context}\n\n### Response:\n"
+DEFAULT_TEMPLATE = "{text}"
 
 
 class TaskConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     type: TaskType = "prompt-classification"
-    template: str = "{text}"
+    template: str = DEFAULT_TEMPLATE
     verbalizer: list[str] = Field(default_factory=list)  # one word per class, for prompt-classification
     max_length: int = Field(128, ge=8)
+    # causal-lm only:
+    prompt_format: PromptFormat = "auto"
+    generate_eval: int = Field(0, ge=0)  # generate for the first N evaluated examples and report rougeL; 0: none
+    max_new_tokens: int = Field(128, ge=1)  # the longest generated response
+
+    @model_validator(mode="after")
+    def _causal_lm_settings(self) -> TaskConfig:
+        # Set for a classification task they would be silently ignored: say so instead.
+        if self.type != "causal-lm":
+            changed = [name for name in ("prompt_format", "generate_eval", "max_new_tokens")
+                       if getattr(self, name) != type(self).model_fields[name].default]
+            if changed:
+                raise ValueError(f"{', '.join('task.' + name for name in changed)}: settings of task.type causal-lm, "
+                                 f"which task.type {self.type} does not use")
+        return self
 
 
 @dataclass
@@ -46,6 +67,8 @@ class Encoded:
     input_ids: list[list[int]]
     labels: np.ndarray | None  # class per example, or None
     prompt_lengths: list[int] | None = None  # causal-lm: tokens before the response
+    prompt_ids: list[list[int]] | None = None  # causal-lm: the prompt alone, what generation starts from
+    references: list[str] | None = None  # causal-lm: the reference response, what a generation is scored against
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -229,28 +252,75 @@ class EncoderClassification(Task):
         return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
 
 
+def resolve_prompt_format(tokenizer, config: TaskConfig) -> Literal["chat", "template"]:
+    """How a causal-lm task writes its prompts: the tokenizer's chat template or a text template."""
+    has_chat = bool(getattr(tokenizer, "chat_template", None))
+    template_set = config.template != DEFAULT_TEMPLATE
+    if config.prompt_format == "chat":
+        if not has_chat:
+            raise DataError("task.prompt_format=chat needs a tokenizer with a chat template, and this model's has "
+                            "none; use task.prompt_format=template (task.template, or the built-in instruction "
+                            "template)")
+        if template_set:  # it would be silently ignored
+            raise DataError("task.template is not used with task.prompt_format=chat; drop one of the two")
+        return "chat"
+    if config.prompt_format == "template" or template_set:  # a template the user wrote wins over auto's chat
+        return "template"
+    return "chat" if has_chat else "template"
+
+
 class CausalLM(Task):
-    """Instruction tuning: the loss covers the response (and end-of-sequence) tokens only."""
+    """Instruction tuning: the loss covers the response (and end-of-sequence) tokens only; with
+    `task.generate_eval` evaluation also generates greedily and scores ROUGE-L against the reference responses."""
 
     template_needs_a_field = False  # a fixed instruction before each response is a valid causal-lm prompt
 
     def __init__(self, tokenizer, config: TaskConfig) -> None:
         super().__init__(tokenizer, config)
-        self.template = config.template if config.template != "{text}" else INSTRUCTION_TEMPLATE
+        self.prompt_format = resolve_prompt_format(tokenizer, config)
+        self.template = config.template if config.template != DEFAULT_TEMPLATE else INSTRUCTION_TEMPLATE
+
+    def prompt(self, fields: dict[str, str]) -> list[int]:
+        """The prompt's token ids for one example (its instruction and context, or the template's fields)."""
+        fields = {"instruction": "", "context": "", **fields}
+        if self.prompt_format == "chat":
+            user = "\n\n".join(text for text in (fields["instruction"], fields["context"]) if text)
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
+                                                      add_generation_prompt=True)
+            # The chat template writes the special tokens the model expects; the tokenizer must not add more.
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(self._render(fields), add_special_tokens=True)["input_ids"]
+
+    def generation_prompt(self, prompt: list[int]) -> list[int]:
+        """What generation starts from: the end of an over-long prompt, which holds the cue to answer (the assistant
+        turn); training instead cuts the response, so the two agree whenever the prompt fits task.max_length."""
+        return prompt[-self.config.max_length:]
+
+    def _check_prompt_fields(self, data: TextDataset) -> None:
+        if not data.fields:
+            return
+        available = set(data.fields[0])
+        if self.prompt_format == "template":
+            _check_fields(self.template, data, {"instruction", "context", *available})
+        elif "instruction" not in available:  # an empty user turn would teach nothing
+            raise DataError(f"task.prompt_format chat builds the user turn from the instruction and context fields, "
+                            f"but the examples of {data.name} have the fields {sorted(available)} (data.text_columns "
+                            "picks them); or set task.prompt_format=template with a task.template")
 
     def encode(self, data: TextDataset) -> Encoded:
-        ids, prompt_lengths = [], []
+        self._check_prompt_fields(data)
+        ids, prompt_lengths, prompts, references = [], [], [], []
         eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
-        if data.fields:
-            _check_fields(self.template, data, {"instruction", "context", *data.fields[0]})
         for f in data.fields:
-            fields = {"instruction": f.get("instruction", ""), "context": f.get("context", ""), **f}
-            prompt = self.tokenizer(self._render(fields), add_special_tokens=True)["input_ids"]
-            response = self.tokenizer(fields.get("response", ""), add_special_tokens=False)["input_ids"] + eos
+            prompt = self.prompt(f)
+            reference = f.get("response", "")
+            response = self.tokenizer(reference, add_special_tokens=False)["input_ids"] + eos
             row = (prompt + response)[: self.config.max_length]
             ids.append(row)
             prompt_lengths.append(min(len(prompt), len(row)))
-        return Encoded(ids, None, prompt_lengths)
+            prompts.append(self.generation_prompt(prompt))
+            references.append(reference)
+        return Encoded(ids, None, prompt_lengths, prompts, references)
 
     def collate(self, data: Encoded, indices) -> Batch:
         rows = [data.input_ids[i] for i in indices]
@@ -272,6 +342,8 @@ class CausalLM(Task):
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, data: Encoded, batch_size: int = 16,
                  indices=None) -> dict[str, float]:
+        """The mean response-token loss over `indices` (all examples by default) and, with task.generate_eval > 0,
+        the mean ROUGE-L of greedy generations for the first generate_eval of them."""
         order = np.arange(len(data)) if indices is None else np.asarray(indices)
         total, count = 0.0, 0
         for start in range(0, len(order), batch_size):
@@ -280,7 +352,24 @@ class CausalLM(Task):
             targets = batch.labels[:, 1:].flatten()
             total += float(F.cross_entropy(logits[:, :-1].flatten(0, 1), targets, ignore_index=-100, reduction="sum"))
             count += int((targets != -100).sum())
-        return {"loss": total / max(1, count)}
+        result = {"loss": total / max(1, count)}
+        if self.config.generate_eval > 0:
+            result["rougeL"] = self.generation_score(model, data, order[: self.config.generate_eval], batch_size)
+        return result
+
+    def generate(self, model: torch.nn.Module, prompts: list[list[int]], batch_size: int = 16,
+                 progress: Progress | None = None) -> list[str]:
+        """Greedy responses to tokenized prompts (from `prompt`), at most task.max_new_tokens long."""
+        return generate_texts(model, self.tokenizer, prompts, max_new_tokens=self.config.max_new_tokens,
+                              batch_size=batch_size, progress=progress)
+
+    def generation_score(self, model: torch.nn.Module, data: Encoded, indices, batch_size: int = 16) -> float:
+        """Mean ROUGE-L of the greedy responses to the examples at `indices` against their reference responses."""
+        if data.prompt_ids is None or data.references is None:
+            raise ValueError("generation-based evaluation needs the prompts and references that CausalLM.encode "
+                             "stores; this data set was encoded without them")
+        predictions = self.generate(model, [data.prompt_ids[i] for i in indices], batch_size)
+        return rouge_l(predictions, [data.references[i] for i in indices])
 
 
 def make_task(config: TaskConfig, tokenizer, num_classes: int | None) -> Task:

@@ -384,9 +384,11 @@ def dump_config(config: FinetuneConfig, path: Path) -> None:
     os.replace(tmp, path)
 
 
-# What a resumed run may change: where it lives, how long it goes on, and how it is evaluated in batches
+# What a resumed run may change: where it lives, how long it goes on, and how it is evaluated (in batches, and
+# how many generations are scored)
 # (train.steps only under a constant lr schedule, federation.rounds only without a cosine server decay).
-RESUMABLE_CHANGES = frozenset({"out_dir", "train.steps", "federation.rounds", "train.eval_batch_size"})
+RESUMABLE_CHANGES = frozenset({"out_dir", "train.steps", "federation.rounds", "train.eval_batch_size",
+                               "task.generate_eval", "task.max_new_tokens"})  # the last two only shape evaluation
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

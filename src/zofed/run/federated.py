@@ -37,12 +37,16 @@ from zofed.run.metrics import MetricsLog
 from zofed.run.setup import Setup, build, eval_indices, save_final
 from zofed.sim.engine import simulate
 
+# The per-client list in results.json, by headline metric (lower is better only for the loss).
+CLIENT_LISTS = {"accuracy": "client_accuracies", "rougeL": "client_rougeL", "loss": "client_losses"}
+
 
 def per_client_metric(setup: Setup, splits: list[ClientSplit], batch_size: int) -> tuple[str, list[float]]:
     """The global model on each client's own held-out examples (personalized evaluation): the task's headline
-    metric (accuracy for classification, loss for a causal LM) and its value per client with test examples."""
+    metric (accuracy for classification; ROUGE-L for a causal LM that generates, task.generate_eval > 0, else its
+    loss) and its value per client with test examples."""
     results = [setup.task.evaluate(setup.model, setup.train, batch_size, s.test) for s in splits if len(s.test)]
-    metric = "accuracy" if not results or "accuracy" in results[0] else "loss"
+    metric = next((m for m in CLIENT_LISTS if results and m in results[0]), "accuracy")
     return metric, [r[metric] for r in results]
 
 
@@ -134,6 +138,8 @@ class FederatedRun:
                     shown += f" | eval acc {record['eval_accuracy']:.4f}"
                 elif "eval_loss" in record:
                     shown += f" | eval loss {record['eval_loss']:.4f}"
+                if "eval_rougeL" in record:
+                    shown += f" rougeL {record['eval_rougeL']:.4f}"
                 if record["rejected"]:
                     shown += f" | rejected {len(record['rejected'])}"
                 progress.update(bar, advance=1, status=shown)
@@ -152,7 +158,7 @@ class FederatedRun:
         start = [r[key] for r in records if r["event"] == "eval" and r.get("round") == 0 and key in r]
         evaluated = [r[key] for r in history if key in r]
         results = {"test": test, "test_examples": len(setup.test), "method": fed.method, "rounds": fed.rounds,
-                   "client_metric": metric, "client_accuracies" if metric == "accuracy" else "client_losses": clients,
+                   "client_metric": metric, CLIENT_LISTS[metric]: clients,
                    f"client_{metric}_mean": float(np.mean(clients)) if clients else None,
                    f"client_{metric}_worst10": worst_decile_mean(clients, metric != "loss") if clients else None,
                    "bytes_up_per_client_round": float(np.mean([r["bytes_up_per_client"] for r in history])),
