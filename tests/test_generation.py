@@ -281,3 +281,18 @@ def test_generating_from_a_classification_run_is_refused(tiny_workspace, tmp_pat
              show_progress=False)
     with pytest.raises(ConfigError, match="generation needs task.type causal-lm"):
         generate_from_run(out, ["w1"], max_new_tokens=2)
+
+
+def test_instruction_records_with_an_empty_context_load_when_the_column_is_optional(tiny_workspace, tmp_path):
+    """Many Dolly records have no context: data.optional_columns lets that column be empty, and without it the
+    loader names the setting."""
+    from zofed.run.setup import load_splits
+
+    records = [{"instruction": f"say w{i}", "context": "" if i % 2 else "w3 w4", "response": f"w{i}"} for i in range(6)]
+    (tmp_path / "dolly.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    base = [f"model.name={tiny_workspace / 'model'}", f"data.source={tmp_path / 'dolly.jsonl'}",
+            "data.text_columns=[instruction, context, response]", "data.label_column=null", "task.type=causal-lm"]
+    with pytest.raises(DataError, match=r"empty text in column 'context' \(data.optional_columns=\[context\]"):
+        load_splits(load_config(None, base))
+    train, test = load_splits(load_config(None, [*base, "data.optional_columns=[context]"]))
+    assert len(train) + len(test) == 6 and sum(f["context"] == "" for f in [*train.fields, *test.fields]) == 3

@@ -359,7 +359,7 @@ def _example(
         if not text and col not in optional:
             multi = len(text_columns) > 1
             bad(where, f"empty text in column {col!r}"
-                + (f" (pass optional_columns=[{col!r}] if it may be empty)" if multi else ""))
+                + (f" (data.optional_columns=[{col}] lets it be empty)" if multi else ""))
             return None
         example[col] = text
     if label_column is not None:

@@ -51,6 +51,7 @@ class DataSection(_Section):
     encoding: str = "utf-8"  # files only: a Python codec name for legacy files, e.g. cp1252 or latin-1
     on_bad_lines: Literal["error", "skip"] = "error"  # files only; skip leaves unusable lines out, and says which
     text_columns: list[str] | None = None
+    optional_columns: list[str] = Field(default_factory=list)  # text columns that may be empty (Dolly's context)
     label_column: str | None = "label"
     label_names: list[str] | None = None
     train_examples: int | None = Field(None, ge=1)  # cap on training examples (seeded subset)

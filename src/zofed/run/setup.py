@@ -55,7 +55,8 @@ def load_splits(config: FinetuneConfig) -> tuple[TextDataset, TextDataset]:
         train, test = load_shared(data.source.removeprefix("shared:"), seed=seed)
     else:
         options = {"format": data.format, "encoding": data.encoding, "on_bad_lines": data.on_bad_lines,
-                   "text_columns": data.text_columns, "label_column": data.label_column,
+                   "text_columns": data.text_columns, "optional_columns": data.optional_columns,
+                   "label_column": data.label_column,
                    "label_names": data.label_names}
         train = load_dataset_spec(data.source, **options)
         if data.test_source:
