@@ -316,6 +316,21 @@ def test_shared_agnews(shared: Path) -> None:
     assert load_shared("agnews", seed=0)[1].fields == test.fields
 
 
+def test_shared_dolly_is_one_client_per_file_with_its_global_test(shared: Path) -> None:
+    from zofed.data.partition import PartitionConfig, partition
+
+    train, test = load_shared("dolly")
+    assert len(test) == 160 and train.labels is None
+    assert len(train) + len(train.skipped) == 20708  # the records with an empty response are left out, counted
+    assert all(s.endswith(("item 782", "item 922", "item 819")) for s in train.skipped)
+    assert set(train.fields[0]) == {"instruction", "context", "response", "category", "client"}
+    assert any(f["context"] == "" for f in train.fields) and all(f["response"] for f in train.fields)
+    parts = partition(train, PartitionConfig(scheme="natural", column="client"))
+    clients = [train.fields[p[0]]["client"] for p in parts]
+    assert clients == ["00", "01", "02", "04", "05", "06", "07", "08", "09"]  # client 3 is missing upstream
+    assert "alpaca" in {f["category"] for f in test.fields}
+
+
 def test_shared_missing_folder_message(monkeypatch: pytest.MonkeyPatch) -> None:
     import zofed.data.builtin as builtin
 

@@ -84,7 +84,7 @@ def _tweets_path() -> Path:
 # --------------------------------------------------------------------------------------------------
 # Shared research data beside the checkout (benchmarks and tests only)
 
-SHARED_DATASETS = ("sst2", "sst5", "agnews", "rte", "mr", "cr")
+SHARED_DATASETS = ("sst2", "sst5", "agnews", "rte", "mr", "cr", "dolly")
 SST5_LABELS = ["very negative", "negative", "neutral", "positive", "very positive"]
 AGNEWS_LABELS = ["World", "Sports", "Business", "Sci/Tech"]
 RTE_LABELS = ["entailment", "not_entailment"]
@@ -111,6 +111,10 @@ def load_shared(name: str, seed: int = 0, *, eval_split: str = "test") -> tuple[
     - agnews: only the original 7,600-example *test* split exists here, so this is a seeded 6,000/1,600
       split of it, text = title and description joined into one "text" field.
     - mr, cr: a seeded split of all.txt (test 1,000 and 500 examples).
+    - dolly: instruction records (instruction, context, response, category) from dolly-alpaca-10clients, one
+      training file per client (a `client` field, "00".."09"; client 3 is missing upstream), and its fixed
+      global test set; seed unused. Split it with `federation.partition.scheme: natural` by `client` (or
+      `category`).
     """
     base = shared_data_dir()
     if base is None:
@@ -141,6 +145,8 @@ def load_shared(name: str, seed: int = 0, *, eval_split: str = "test") -> tuple[
             for split in ("train", "val")
         )
         return train, test
+    if name == "dolly":
+        return _load_dolly(base / "dolly-alpaca-10clients")
     if name == "agnews":
         data = _load_agnews(folder / "test.csv")
     else:
@@ -148,6 +154,25 @@ def load_shared(name: str, seed: int = 0, *, eval_split: str = "test") -> tuple[
         encoding = "cp1252" if name == "mr" else "utf-8"
         data = load_file(folder / "all.txt", label_names=_POLARITY, name=name, encoding=encoding)
     return data.train_test_split(_SPLIT_TEST_SIZE[name], seed)
+
+
+# A few upstream records have an empty response (nothing to learn or score): they are left out, and counted in
+# the data set's `skipped`.
+_DOLLY_COLUMNS = {"text_columns": ["instruction", "context", "response", "category"],
+                  "optional_columns": ["context"], "label_column": None, "on_bad_lines": "skip"}
+
+
+def _load_dolly(folder: Path) -> tuple[TextDataset, TextDataset]:
+    fields, skipped = [], []
+    for path in sorted(folder.glob("local_training_*.json"), key=lambda p: int(p.stem.rsplit("_", 1)[1])):
+        client = f"{int(path.stem.rsplit('_', 1)[1]):02d}"
+        part = load_file(path, name=f"dolly/{path.stem}", **_DOLLY_COLUMNS)
+        fields += [{**f, "client": client} for f in part.fields]
+        skipped += [f"{path.name} {where}" for where in part.skipped]
+    if not fields:
+        raise DataError(f"{folder}: no local_training_K.json files")
+    test = load_file(folder / "global_test.json", name="dolly/global_test", **_DOLLY_COLUMNS)
+    return TextDataset(fields, None, None, "dolly/train", skipped), test
 
 
 def _load_agnews(path: Path) -> TextDataset:
