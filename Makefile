@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo demo-centralized test lint bench-zo-step bench-centralized bench-scale bench-federated bench-flower bench-client-memory bench-calibrate bench-ranking
+.PHONY: setup demo demo-centralized test lint bench-zo-step bench-centralized bench-scale bench-federated bench-flower bench-client-memory bench-calibrate bench-ranking bench-instruction
 
 setup:
 	@bash scripts/setup_env.sh
@@ -48,3 +48,7 @@ bench-calibrate: setup
 
 bench-ranking: setup
 	$(PY) benchmarks/ranking.py --phase tune
+
+# Instruction tuning on federated Dolly/Alpaca at equal client compute (ROUGE-L); ARGS e.g. --jobs 2 --threads 1
+bench-instruction: setup
+	$(PY) benchmarks/instruction.py $(ARGS)

@@ -270,6 +270,15 @@ def test_a_federated_causal_lm_run_reports_rouge_l_per_round_and_per_client(inst
     assert written["client_rougeL_mean"] == pytest.approx(np.mean(written["client_rougeL"]))
     assert written["eval_rougeL_start"] is not None and written["eval_rougeL_final"] == rounds[-1]["eval_rougeL"]
     assert "rougeL" in results["test"]
+    # Clients without held-out examples: the headline metric still comes from the task, not from client results.
+    bare = tmp_path / "bare"
+    config = load_config(None, [*_overrides(instructions, bare), "federation.method=zo-seeds", "federation.rounds=1",
+                                "federation.clients_per_round=2", "federation.local_steps=1",
+                                "federation.partition.scheme=iid", "federation.partition.num_clients=4",
+                                "federation.partition.test_fraction=0"], schema=FederatedConfig)
+    written = run_federated(config, show_progress=False)
+    assert written["client_metric"] == "rougeL" and written["client_rougeL"] == []
+    assert written["eval_rougeL_start"] is not None and "eval_accuracy_start" not in written
 
 
 def test_generating_from_a_classification_run_is_refused(tiny_workspace, tmp_path):

@@ -1,0 +1,371 @@
+"""Instruction tuning at equal client compute: SmolLM2-135M-Instruct on the federated Dolly/Alpaca split, ROUGE-L.
+
+Protocol (the instruction-tuning issue):
+- Data: `data.source=shared:dolly`, one client per training file (`federation.partition.scheme=natural`,
+  `column=client`: 9 clients, client 3 is missing upstream), every client's records used for training
+  (`test_fraction=0`: a per-client evaluation would generate for every client's held-out records, more than the
+  whole rest of the run on a CPU); scored on the 160-example global test set.
+- Model and trainable set: the packaged `smollm2-135m` (SmolLM2-135M-Instruct), prompts in its chat template
+  (`task.prompt_format=auto`), `task.max_length` 256. Every row trains the same tensors, LoRA r 8 on q_proj and
+  v_proj (`trainable.mode=lora`, the default), the ZO rows included: one trainable set, the one FedAvg needs.
+- Federation: 3 of the 9 clients a round, 4 local steps of batch 4.
+- Budget (`--budget`): client compute in forward-pass equivalents of the full model (a backward counts as two
+  forwards), summed over the federation, the same for every row; each method counts its own cost, so a row's
+  rounds = budget // (3 clients x its per-client round cost): 8 passes for a ZO method (4 steps x 2 passes), 12
+  for FedAvg (4 steps x a forward and a backward). The run's own count is checked against the plan.
+- Client lrs: `LRS` below, untuned (one value per row, no grid yet); every server optimizer is its method's
+  default (zofed: adam with one global second moment and relative steps; the baselines: plain averaging).
+- Evaluation: ROUGE-L F1 (rouge-score, stemmed) of greedy generations, reported in points (x100). The curves:
+  a fixed 40-example subset of the test set (drawn per seed, `data.eval_examples`), about 6 times a run, each
+  answer at most `--curve-tokens` new tokens; the final test: all 160 examples, at most `--max-new-tokens`
+  (`task.generate_eval` 160 covers both: a curve evaluation generates for its whole subset).
+- zero-shot: the starting model (LoRA's B starts at zero, so the packaged model itself) on the whole test set,
+  once: no seed changes it (greedy decoding, a fixed test set). Its value on each seed's subset is every run's
+  round-0 curve point.
+- Seeds (`--seeds`, default 0 1 2): the run seed (steps, client sampling, the curve subset); mean and standard
+  deviation (n - 1) over them.
+- Report: every sentence computed from the rows, including the issue's two targets (every federated row at or
+  above zero-shot; zofed at least FedKSeed + 1 ROUGE-L point); figures of ROUGE-L against client compute,
+  uplink bytes and rounds.
+
+Rows run in their own processes (`--jobs`, `--threads` each), each in a run directory under
+runs/bench/instruction/ that resumes from its checkpoint, and are stored as they finish in
+<out>/instruction.json (default docs/results), the report <out>/instruction.md rewritten from the rows
+(`--table-only` rewrites it alone). Skipped with a message when ../shared/data/dolly-alpaca-10clients is absent.
+On 2 busy CPU cores: `--jobs 2 --threads 1`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from ranking import METHOD_OPTIONS  # benchmarks/ is the script's own directory, so first on sys.path
+from rich.console import Console
+from row_pool import record_rows, run_rows
+
+from zofed.data.builtin import shared_data_dir
+from zofed.fl.methods import get_method
+from zofed.fl.plan import LocalTraining
+from zofed.run.checkpoint import find_checkpoint, write_atomic_text
+from zofed.run.config import FederatedConfig, load_config
+from zofed.run.federated import prepare_run
+from zofed.run.metrics import MetricsLog
+from zofed.run.setup import build
+from zofed.sim.engine import simulate
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = ROOT / "runs" / "bench" / "instruction"
+DATA = "dolly-alpaca-10clients"
+PER_ROUND, LOCAL_STEPS, BATCH, MAX_LENGTH, CURVE_EXAMPLES, TEST_SIZE = 3, 4, 4, 256, 40, 160
+ZERO_SHOT = "zero-shot"
+# row -> federation.method (None: no training)
+ROWS: dict[str, str | None] = {ZERO_SHOT: None, "zofed": "zofed", "zo-seeds": "zo-seeds", "fedkseed": "fedkseed",
+                               "decomfl": "decomfl", "fedavg-lora": "fedavg"}
+# Client lrs, untuned: optimizer.lr of the ZO rows (MeZO steps on LoRA), federation.first_order_lr of FedAvg (AdamW).
+LRS = {"zofed": 1e-3, "zo-seeds": 1e-3, "fedkseed": 1e-3, "decomfl": 1e-3, "fedavg-lora": 1e-3}
+COMMON = ["model.name=smollm2-135m", "data.source=shared:dolly", "task.type=causal-lm", f"task.max_length={MAX_LENGTH}",
+          f"task.generate_eval={TEST_SIZE}", "trainable.mode=lora", f"train.batch_size={BATCH}",
+          "train.eval_batch_size=16", f"data.eval_examples={CURVE_EXAMPLES}", "federation.partition.scheme=natural",
+          "federation.partition.column=client", "federation.partition.test_fraction=0",
+          f"federation.clients_per_round={PER_ROUND}", f"federation.local_steps={LOCAL_STEPS}", "optimizer.name=mezo",
+          "zo.eps=1e-3"]
+# 15 ZO rounds, 10 FedAvg rounds: the 6 rows x 3 seeds in about 4 hours on 2 cores that other jobs share
+# (`--jobs 2 --threads 1`; a ZO round took ~95 s there, a FedAvg round ~100 s; a final test, 160 answers of up
+# to 128 tokens, ~4 min as docs/federated.md measured)
+DEFAULT_BUDGET = 360
+
+
+def per_client_round_cost(row: str) -> float:
+    """Forward-pass equivalents one client spends in a round of this row, as its method counts them."""
+    method = ROWS[row]
+    if method is None:
+        return 0.0
+    return get_method(method).forward_passes(LocalTraining(method, 0, 0, LOCAL_STEPS, 1.0, 1e-3, batch_size=BATCH))
+
+
+def rounds_for(row: str, budget: float) -> int:
+    return max(1, int(budget // (PER_ROUND * per_client_round_cost(row))))
+
+
+def row_key(row: str, seed: int, budget: float, evalset: tuple[int | None, int, int]) -> str:
+    """A row's key in the table (and its run directory): what makes its numbers, the client lr included."""
+    test, tokens, curve = evalset
+    scored = f"test{test or TEST_SIZE}|new{tokens}"
+    if ROWS[row] is None:
+        return f"{row}|{scored}"  # no seed, lr or budget changes the starting model's answers
+    return f"{row}|{seed}|{LRS[row]:g}|{budget:g}|{scored}|curve{curve}"
+
+
+def make_config(row: str, seed: int, budget: float, evalset: tuple[int | None, int, int],
+                out: Path) -> FederatedConfig:
+    test, tokens, curve = evalset
+    method = ROWS[row]
+    overrides = [*COMMON, f"train.seed={seed}", f"out_dir={out}", *([f"data.test_examples={test}"] if test else [])]
+    if method is None:  # the zero-shot row only evaluates: one training record spares tokenizing 20,000
+        return load_config(None, [*overrides, f"task.max_new_tokens={tokens}", "data.train_examples=1"],
+                           schema=FederatedConfig)
+    rounds = rounds_for(row, budget)
+    lr_key = "federation.first_order_lr" if get_method(method).first_order else "optimizer.lr"
+    return load_config(None, [*overrides, *METHOD_OPTIONS.get(method, []), f"federation.method={method}",
+                              f"{lr_key}={LRS[row]}", f"federation.rounds={rounds}",
+                              f"federation.eval_every={max(1, rounds // 5)}", f"task.max_new_tokens={curve}"],
+                       schema=FederatedConfig)
+
+
+def zero_shot(evalset: tuple[int | None, int, int]) -> dict:
+    config = make_config(ZERO_SHOT, 0, 0, evalset, RUNS / "unused")
+    setup = build(config)
+    t0 = time.perf_counter()
+    test = setup.task.evaluate(setup.model, setup.test, config.train.eval_batch_size)
+    return {"row": ZERO_SHOT, "method": None, "test_rougeL": round(test["rougeL"], 4),
+            "test_loss": round(test["loss"], 4), "test_examples": len(setup.test), "max_new_tokens": evalset[1],
+            "final_eval_seconds": round(time.perf_counter() - t0, 1)}
+
+
+def federate(row: str, seed: int, budget: float, evalset: tuple[int | None, int, int]) -> dict:
+    """One federated row: the rounds with the curves' generation length, then the final test with the final one
+    (a resumed run that had finished its rounds only tests again)."""
+    tokens, curve_tokens = evalset[1:]
+    out = RUNS / row_key(row, seed, budget, evalset).replace("|", "_")
+    config = make_config(row, seed, budget, evalset, out)
+    t0 = time.perf_counter()
+    run = prepare_run(config, resume=find_checkpoint(out / "checkpoint") is not None)
+    setup_seconds = time.perf_counter() - t0  # model, data (tokenizing) and the round-0 evaluation
+    evaluated: list[float] = []
+
+    def evaluate(round_done: int) -> dict[str, float]:
+        start = time.perf_counter()
+        result = run.evaluate(round_done)
+        if result:
+            evaluated.append(time.perf_counter() - start)
+        return result
+
+    with run.progress(Console(stderr=True), sys.stderr.isatty()) as on_round:
+        simulate(run.client_context(), [s.train for s in run.splits], run.server, config.federation.rounds,
+                 start_round=run.start_round, evaluate=evaluate, on_round=on_round, on_checkpoint=run.checkpoint)
+    run.setup.task.config.max_new_tokens = tokens  # the final test answers at full length; the curves did not
+    t1 = time.perf_counter()
+    results = run.finish(t1 - t0, final_max_new_tokens=tokens)
+    final_seconds = time.perf_counter() - t1
+    expected = per_client_round_cost(row)
+    if abs(results["forward_passes_per_client_round"] - expected) > 1e-9:  # the row's cost model must be the run's
+        raise RuntimeError(f"{row}: the run counted {results['forward_passes_per_client_round']} passes a client "
+                           f"round, the benchmark planned {expected}")
+    records = MetricsLog(out / "metrics.jsonl").read()
+    start = next(r for r in records if r["event"] == "eval" and r.get("round") == 0)
+    rounds = [r for r in records if r["event"] == "round"]
+    curve, uplink = [[0.0, 0.0, 0, start["eval_rougeL"], start["eval_loss"]]], 0.0
+    for r in rounds:  # [passes, cumulative uplink bytes per client, round, subset rougeL, subset loss]
+        uplink += r["bytes_up_per_client"]
+        if "eval_rougeL" in r:
+            curve.append([r["forward_passes"], uplink, r["round"], r["eval_rougeL"], r["eval_loss"]])
+    return {"row": row, "method": ROWS[row], "seed": seed, "lr": LRS[row], "budget": budget,
+            "rounds": config.federation.rounds, "forward_passes": results["forward_passes"],
+            "forward_passes_per_client_round": expected, "trainable_parameters": results["trainable_parameters"],
+            "test_rougeL": round(results["test"]["rougeL"], 4), "test_loss": round(results["test"]["loss"], 4),
+            "test_examples": results["test_examples"], "max_new_tokens": tokens, "curve_tokens": curve_tokens,
+            "bytes_up_per_client_round": results["bytes_up_per_client_round"],
+            "bytes_down_per_client_round": results["bytes_down_per_client_round"], "curve": curve,
+            "seconds_per_round": round(float(np.mean([r["round_seconds"] for r in rounds])), 1),
+            "setup_seconds": round(setup_seconds, 1),
+            "curve_eval_seconds": round(float(np.mean(evaluated)), 1) if evaluated else None,
+            "final_eval_seconds": round(final_seconds, 1), "run_dir": str(out.relative_to(ROOT))}
+
+
+def _process(row: str, seed: int, budget: float, evalset: tuple[int | None, int, int], threads: int) -> dict:
+    torch.set_num_threads(threads)
+    result = zero_shot(evalset) if ROWS[row] is None else federate(row, seed, budget, evalset)
+    return {**result, "torch_threads": threads}
+
+
+# --- the report, from the rows ------------------------------------------------------------------------------------
+
+
+def points(values) -> np.ndarray:
+    return np.asarray(values, dtype=float) * 100
+
+
+def mean_std(values) -> tuple[float, float]:
+    v = points(values)
+    return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0
+
+
+def settings(rows: list[dict]) -> dict[tuple, dict]:
+    """The rows one table compares, by (budget, test examples, final tokens, curve tokens): each row's runs at
+    its current client lr (`LRS`), and the zero-shot row scored the same way."""
+    groups: dict[tuple, dict] = {}
+    for r in rows:
+        if r["row"] != ZERO_SHOT and r["lr"] == LRS.get(r["row"]):
+            key = (r["budget"], r["test_examples"], r["max_new_tokens"], r["curve_tokens"])
+            groups.setdefault(key, {}).setdefault(r["row"], []).append(r)
+    for (_, test, tokens, _), group in groups.items():
+        group[ZERO_SHOT] = [r for r in rows if r["row"] == ZERO_SHOT and (r["test_examples"], r["max_new_tokens"])
+                            == (test, tokens)]
+    return {k: {name: g[name] for name in ROWS if g.get(name)} for k, g in sorted(groups.items())}
+
+
+def target_lines(by_row: dict[str, list[dict]]) -> list[str]:
+    """The issue's two targets, checked from the rows (means over seeds, ROUGE-L points)."""
+    means = {name: mean_std([r["test_rougeL"] for r in rs])[0] for name, rs in by_row.items()}
+    federated = [n for n in by_row if n != ZERO_SHOT]
+    lines = ["Targets:", ""]
+    if ZERO_SHOT in means and federated:
+        below = [n for n in federated if means[n] < means[ZERO_SHOT]]
+        verdict = "met" if not below else f"missed by {', '.join(below)}"
+        lines.append(f"- Every federated row at or above zero-shot ({means[ZERO_SHOT]:.2f}): {verdict}. "
+                     + "; ".join(f"{n} {means[n] - means[ZERO_SHOT]:+.2f}" for n in federated) + ".")
+    else:
+        lines.append("- Every federated row at or above zero-shot: not checked yet (needs the zero-shot row and a "
+                     "federated one).")
+    if "zofed" in means and "fedkseed" in means:
+        gap = means["zofed"] - means["fedkseed"]
+        verdict = f"met, {gap - 1:.2f} points above the bar" if gap >= 1 else f"missed by {1 - gap:.2f} points"
+        line = (f"- zofed at least FedKSeed + 1 point at equal client compute: zofed {means['zofed']:.2f}, FedKSeed "
+                f"{means['fedkseed']:.2f}, difference {gap:+.2f}: {verdict}")
+        mine = {r["seed"]: r["test_rougeL"] for r in by_row["zofed"]}
+        theirs = {r["seed"]: r["test_rougeL"] for r in by_row["fedkseed"]}
+        seeds = sorted(mine.keys() & theirs.keys())
+        if len(seeds) >= 2:
+            diff = points([mine[s] - theirs[s] for s in seeds])
+            line += (f"; paired over seeds {seeds}: {diff.mean():+.2f} (standard error "
+                     f"{diff.std(ddof=1) / np.sqrt(len(diff)):.2f})")
+        passes = {by_row[n][0]["forward_passes"] for n in ("zofed", "fedkseed")}
+        lines.append(line + (f"; both spent {passes.pop():,.0f} forward passes." if len(passes) == 1 else
+                             "; the two spent different compute (see the table)."))
+    else:
+        lines.append("- zofed at least FedKSeed + 1 point: not checked yet (needs both rows).")
+    return lines
+
+
+def plot_curves(by_row: dict[str, list[dict]], title: str, path: Path) -> None:
+    """Subset ROUGE-L against client compute, cumulative uplink bytes per client and rounds: per row the mean over
+    its seeds, the seeds' range as a band."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(15, 4.2))
+    axes = fig.subplots(1, 3)
+    for name, rs in by_row.items():
+        if name == ZERO_SHOT:
+            continue
+        curves = np.array([r["curve"] for r in rs if len(r["curve"]) == len(rs[0]["curve"])], dtype=float)
+        score = curves[:, :, 3] * 100
+        for ax, column in zip(axes, range(3), strict=True):
+            line, = ax.plot(curves[0, :, column], score.mean(0), marker="o", ms=3, label=f"{name} ({len(curves)} "
+                            f"seed{'s' if len(curves) > 1 else ''})")
+            if len(curves) > 1:
+                ax.fill_between(curves[0, :, column], score.min(0), score.max(0), color=line.get_color(), alpha=0.15)
+    axes[1].set_xscale("symlog", linthresh=10)  # seeds and scalars (tens of bytes) against dense LoRA updates (MB)
+    for ax, label in zip(axes, ["client compute (forward-pass equivalents, whole federation)",
+                                "uplink bytes per client (cumulative, symlog)", "rounds"], strict=True):
+        ax.set(xlabel=label, ylabel="ROUGE-L (test subset, points)")
+    axes[0].legend(fontsize="x-small")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write_report(table: dict, out: Path) -> None:
+    rows = list(table["rows"].values())
+    lines = ["# Instruction tuning at equal client compute: SmolLM2-135M-Instruct on federated Dolly/Alpaca", "",
+             "Protocol: `data.source=shared:dolly`, one client per training file (9 clients, natural partition by "
+             f"`client`, all records used for training), {PER_ROUND} clients a round, {LOCAL_STEPS} local steps of "
+             f"batch {BATCH}, `task.max_length` {MAX_LENGTH}, SmolLM2's chat template. Every row trains LoRA r 8 on "
+             "q_proj and v_proj (the ZO rows too: one trainable set for all). The same client compute for every "
+             "row: a budget in forward-pass equivalents of the full model summed over the federation (a backward "
+             "counts as two forwards), so a ZO round costs "
+             f"{PER_ROUND * per_client_round_cost('zofed'):g} passes and a FedAvg round "
+             f"{PER_ROUND * per_client_round_cost('fedavg-lora'):g}, and each row runs budget // its round cost "
+             "rounds. ROUGE-L F1 (rouge-score, stemmed) of greedy answers, in points; the final test on the "
+             f"{TEST_SIZE}-example global test set, the curves on a fixed {CURVE_EXAMPLES}-example subset of it "
+             "(drawn per seed) with shorter answers (the curve tokens below). zero-shot is the starting model (LoRA's "
+             "B is zero) on the whole test set, evaluated once: no seed changes it; each run's round-0 point is its "
+             "value on the seed's subset. Standard deviations over seeds use n - 1. Server optimizers are each "
+             "method's default. Reproduce: `.venv/bin/python benchmarks/instruction.py --jobs 2 --threads 1`.", "",
+             "Client lrs, untuned (one value each; ZO rows: `optimizer.lr` of MeZO steps, FedAvg: "
+             "`federation.first_order_lr` of AdamW):", "", "| row | client lr |", "|---|---|",
+             *[f"| {name} | {lr:g} |" for name, lr in LRS.items()], ""]
+    groups = settings(rows)
+    shown = sum(len(rs) for g in groups.values() for rs in g.values())
+    if shown < len(rows):
+        lines += [f"{len(rows) - shown} rows of the table (other client lrs, or no federated row scored the same "
+                  "way) are not shown.", ""]
+    for (budget, test, tokens, curve_tokens), by_row in groups.items():
+        lines += [f"## Budget {budget:,.0f} forward passes; test {test} examples, answers up to {tokens} tokens "
+                  f"(curves: {curve_tokens})", "",
+                  "| row | seeds | test ROUGE-L (mean ± std) | test loss | subset ROUGE-L round 0 → end | rounds "
+                  "| forward passes | uplink bytes / client / round | s / round (train) |", "|" + "---|" * 9]
+        for name, rs in by_row.items():
+            score, spread = mean_std([r["test_rougeL"] for r in rs])
+            loss = np.mean([r["test_loss"] for r in rs])
+            if name == ZERO_SHOT:
+                lines.append(f"| {name} | - | {score:.2f} | {loss:.3f} | - | 0 | 0 | 0 | - |")
+                continue
+            start, end = (float(np.mean(points([r["curve"][i][3] for r in rs]))) for i in (0, -1))
+            lines.append(f"| {name} | {len(rs)} | {score:.2f} ± {spread:.2f} | {loss:.3f} | {start:.2f} → {end:.2f} "
+                         f"| {rs[0]['rounds']} | {rs[0]['forward_passes']:,.0f} "
+                         f"| {rs[0]['bytes_up_per_client_round']:,.0f} "
+                         f"| {np.mean([r['seconds_per_round'] for r in rs]):.0f} |")
+        name = f"instruction_b{budget:g}" + ("" if (test, tokens, curve_tokens) == (TEST_SIZE, 128, 64)
+                                             else f"_t{test}_n{tokens}_c{curve_tokens}") + ".png"
+        plot_curves(by_row, f"Dolly/Alpaca, 9 clients, budget {budget:,.0f} passes (test subset of "
+                    f"{min(CURVE_EXAMPLES, test)}, answers up to {curve_tokens} tokens)", out / name)
+        runs = [r for name, rs in by_row.items() if name != ZERO_SHOT for r in rs]
+        curve_seconds = [r["curve_eval_seconds"] for r in runs if r["curve_eval_seconds"] is not None]
+        lines += ["", f"Seconds, means over the runs ({table['meta'].get('machine', '?')}, torch threads "
+                  f"{sorted({r['torch_threads'] for r in runs})}): setup with the round-0 evaluation "
+                  f"{np.mean([r['setup_seconds'] for r in runs]):.0f}, a curve evaluation "
+                  f"{np.mean(curve_seconds) if curve_seconds else float('nan'):.0f}, the final test "
+                  f"{np.mean([r['final_eval_seconds'] for r in runs]):.0f}.", "",
+                  *target_lines(by_row), "", f"![ROUGE-L curves]({name})", ""]
+    write_atomic_text(out / "instruction.md", "\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
+    parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
+    parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
+                        help="client compute, forward-pass equivalents summed over the federation")
+    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--test-examples", type=int, help="cap on the final test (default: all 160; smoke runs)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="answer length of the final test")
+    parser.add_argument("--curve-tokens", type=int, default=64, help="answer length of the curves' evaluations")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results", help="where the table and report go")
+    parser.add_argument("--table-only", action="store_true", help="rewrite the report from the table, run nothing")
+    args = parser.parse_args()
+    path = args.out / "instruction.json"
+    table = json.loads(path.read_text()) if path.is_file() else {"meta": {}, "rows": {}}
+    if args.table_only:
+        write_report(table, args.out)
+        return
+    base = shared_data_dir()
+    if base is None or not (base / DATA).is_dir():
+        print(f"skipped: ../shared/data/{DATA} not found (set ZOFED_SHARED_DATA to a folder holding {DATA}/)")
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    table["meta"] = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
+                     "common": COMMON, "lrs": LRS}
+    evalset = (args.test_examples, args.max_new_tokens, args.curve_tokens)
+    pending, keys = [], set()
+    for row in args.rows:
+        for seed in args.seeds:
+            key = row_key(row, seed, args.budget, evalset)
+            if key not in table["rows"] and key not in keys:  # one zero-shot row serves every seed
+                keys.add(key)
+                pending.append((row, seed, args.budget, evalset))
+    print(f"{len(pending)} runs to do, {args.jobs} at a time", flush=True)
+    record_rows(run_rows(_process, pending, row_key, args.jobs, args.threads), table, path,
+                lambda: write_report(table, args.out), "curve")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""benchmarks/instruction.py without running a model: equal client compute per row, the skip without shared data,
+and the report's target sentences computed from given rows."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+import instruction  # noqa: E402
+
+
+def test_every_row_gets_the_same_client_compute_as_its_method_counts_it():
+    assert instruction.per_client_round_cost("zofed") == 8  # 4 steps x 2 passes
+    assert instruction.per_client_round_cost("fedavg-lora") == 12  # 4 steps x (a forward + a backward)
+    assert instruction.rounds_for("zofed", 360) == 15 and instruction.rounds_for("fedavg-lora", 360) == 10
+    for budget in (360, 500, 1000):
+        for row, method in instruction.ROWS.items():
+            if method is None:
+                continue
+            round_cost = instruction.PER_ROUND * instruction.per_client_round_cost(row)
+            spent = instruction.rounds_for(row, budget) * round_cost
+            assert budget - round_cost < spent <= budget, (row, budget)
+
+
+def test_skips_with_a_message_without_the_shared_data(tmp_path):
+    (tmp_path / "empty").mkdir()
+    env = {**os.environ, "ZOFED_SHARED_DATA": str(tmp_path / "empty")}
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "instruction.py"), "--out", str(tmp_path / "out")],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "skipped: ../shared/data/dolly-alpaca-10clients not found" in done.stdout
+    assert not (tmp_path / "out" / "instruction.json").exists()
+
+
+def _row(row: str, seed: int, score: float) -> dict:
+    rounds = instruction.rounds_for(row, 360)
+    passes = rounds * instruction.PER_ROUND * instruction.per_client_round_cost(row)
+    return {"row": row, "method": instruction.ROWS[row], "seed": seed, "lr": instruction.LRS[row], "budget": 360.0,
+            "rounds": rounds, "forward_passes": passes, "test_rougeL": score, "test_loss": 2.0, "test_examples": 160,
+            "max_new_tokens": 128, "curve_tokens": 64, "bytes_up_per_client_round": 100.0,
+            "curve": [[0.0, 0.0, 0, 0.2, 2.0], [passes, 100.0 * rounds, rounds, score, 2.0]], "seconds_per_round": 90.0,
+            "setup_seconds": 30.0, "curve_eval_seconds": 30.0, "final_eval_seconds": 200.0, "torch_threads": 1}
+
+
+def test_the_report_checks_both_targets_from_the_rows(tmp_path):
+    rows = [{"row": "zero-shot", "method": None, "test_rougeL": 0.30, "test_loss": 2.1, "test_examples": 160,
+             "max_new_tokens": 128}]
+    rows += [_row("zofed", s, v) for s, v in enumerate([0.32, 0.34, 0.33])]
+    rows += [_row("fedkseed", s, v) for s, v in enumerate([0.31, 0.31, 0.32])]
+    rows += [_row("fedavg-lora", s, v) for s, v in enumerate([0.29, 0.30, 0.28])]
+    groups = instruction.settings(rows)
+    lines = "\n".join(instruction.target_lines(groups[(360.0, 160, 128, 64)]))
+    assert "at or above zero-shot (30.00): missed by fedavg-lora" in lines
+    assert "zofed 33.00, FedKSeed 31.33, difference +1.67: met, 0.67 points above the bar" in lines
+    assert "paired over seeds [0, 1, 2]: +1.67" in lines and "both spent 360 forward passes" in lines
+
+    close = [r for r in rows if r["row"] in ("zero-shot", "zofed")]
+    close += [_row("fedkseed", s, v) for s, v in enumerate([0.32, 0.32, 0.33])]
+    lines = "\n".join(instruction.target_lines(instruction.settings(close)[(360.0, 160, 128, 64)]))
+    assert "at or above zero-shot (30.00): met" in lines and "difference +0.67: missed by 0.33 points" in lines
+
+    table = {"meta": {"machine": "test"}, "rows": {str(i): r for i, r in enumerate(rows)}}
+    instruction.write_report(table, tmp_path)
+    report = (tmp_path / "instruction.md").read_text()
+    assert "| fedavg-lora | 3 | 29.00 ± 1.00 |" in report and (tmp_path / "instruction_b360.png").is_file()
