@@ -47,6 +47,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from curve_plot import draw_seed_band, label_and_save
 from ranking import METHOD_OPTIONS  # benchmarks/ is the script's own directory, so first on sys.path
 from rich.console import Console
 from row_pool import record_rows, run_rows
@@ -256,20 +257,9 @@ def plot_curves(by_row: dict[str, list[dict]], title: str, path: Path) -> None:
         if name == ZERO_SHOT:
             continue
         curves = np.array([r["curve"] for r in rs if len(r["curve"]) == len(rs[0]["curve"])], dtype=float)
-        score = curves[:, :, 3] * 100
-        for ax, column in zip(axes, range(3), strict=True):
-            line, = ax.plot(curves[0, :, column], score.mean(0), marker="o", ms=3, label=f"{name} ({len(curves)} "
-                            f"seed{'s' if len(curves) > 1 else ''})")
-            if len(curves) > 1:
-                ax.fill_between(curves[0, :, column], score.min(0), score.max(0), color=line.get_color(), alpha=0.15)
+        draw_seed_band(axes, name, curves, curves[:, :, 3] * 100)
     axes[1].set_xscale("symlog", linthresh=10)  # seeds and scalars (tens of bytes) against dense LoRA updates (MB)
-    for ax, label in zip(axes, ["client compute (forward-pass equivalents, whole federation)",
-                                "uplink bytes per client (cumulative, symlog)", "rounds"], strict=True):
-        ax.set(xlabel=label, ylabel="ROUGE-L (test subset, points)")
-    axes[0].legend(fontsize="x-small")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    label_and_save(fig, axes, "ROUGE-L (test subset, points)", title, path, ", symlog")
 
 
 def write_report(table: dict, out: Path) -> None:

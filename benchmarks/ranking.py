@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from calibrate import TASKS  # benchmarks/ is the script's own directory, so first on sys.path
+from curve_plot import draw_seed_band, label_and_save
 from row_pool import record_rows, run_rows
 
 from zofed.data.builtin import shared_data_dir
@@ -269,20 +270,8 @@ def plot_curves(groups: dict[str, list[dict]], title: str, path: Path) -> None:
     axes = fig.subplots(1, 3)
     for name, rs in groups.items():
         curves = np.array([r["curve"] for r in rs if len(r["curve"]) == len(rs[0]["curve"])])
-        acc = curves[:, :, 3]
-        for ax, column in zip(axes, range(3), strict=True):
-            x = curves[0, :, column]
-            seeds = f"{len(curves)} seed{'s' if len(curves) > 1 else ''}"
-            line, = ax.plot(x, acc.mean(0), marker="o", ms=3, label=f"{name} ({seeds})")
-            if len(curves) > 1:
-                ax.fill_between(x, acc.min(0), acc.max(0), color=line.get_color(), alpha=0.15)
-    for ax, label in zip(axes, ["client compute (forward-pass equivalents, whole federation)",
-                                "uplink bytes per client (cumulative)", "rounds"], strict=True):
-        ax.set(xlabel=label, ylabel="accuracy")
-    axes[0].legend(fontsize="x-small")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+        draw_seed_band(axes, name, curves, curves[:, :, 3])
+    label_and_save(fig, axes, "accuracy", title, path)
 
 
 def figures(rows: list[dict]) -> list[str]:

@@ -257,12 +257,14 @@ def test_zofed_generate_prints_each_prompt_and_the_runs_completion(centralized_r
 
 
 def test_a_federated_causal_lm_run_reports_rouge_l_per_round_and_per_client(instructions, tmp_path):
+    def federated(out, *extra):
+        return load_config(None, [*_overrides(instructions, out), "federation.method=zo-seeds",
+                                  "federation.clients_per_round=2", "federation.local_steps=1",
+                                  "federation.partition.scheme=iid", "federation.partition.num_clients=4", *extra],
+                           schema=FederatedConfig)
+
     out = tmp_path / "fed"
-    config = load_config(None, [*_overrides(instructions, out), "federation.method=zo-seeds", "federation.rounds=2",
-                                "federation.eval_every=1", "federation.clients_per_round=2",
-                                "federation.local_steps=1", "federation.partition.scheme=iid",
-                                "federation.partition.num_clients=4"], schema=FederatedConfig)
-    results = run_federated(config, show_progress=False)
+    results = run_federated(federated(out, "federation.rounds=2", "federation.eval_every=1"), show_progress=False)
     rounds = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["event"] == "round"]
     assert [r["round"] for r in rounds] == [1, 2] and all(0 <= r["eval_rougeL"] <= 1 for r in rounds)
     written = json.loads((out / "results.json").read_text())
@@ -271,12 +273,8 @@ def test_a_federated_causal_lm_run_reports_rouge_l_per_round_and_per_client(inst
     assert written["eval_rougeL_start"] is not None and written["eval_rougeL_final"] == rounds[-1]["eval_rougeL"]
     assert "rougeL" in results["test"]
     # Clients without held-out examples: the headline metric still comes from the task, not from client results.
-    bare = tmp_path / "bare"
-    config = load_config(None, [*_overrides(instructions, bare), "federation.method=zo-seeds", "federation.rounds=1",
-                                "federation.clients_per_round=2", "federation.local_steps=1",
-                                "federation.partition.scheme=iid", "federation.partition.num_clients=4",
-                                "federation.partition.test_fraction=0"], schema=FederatedConfig)
-    written = run_federated(config, show_progress=False)
+    written = run_federated(federated(tmp_path / "bare", "federation.rounds=1", "federation.partition.test_fraction=0"),
+                            show_progress=False)
     assert written["client_metric"] == "rougeL" and written["client_rougeL"] == []
     assert written["eval_rougeL_start"] is not None and "eval_accuracy_start" not in written
 
