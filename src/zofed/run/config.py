@@ -6,7 +6,6 @@ to a default.
 
 from __future__ import annotations
 
-import os
 import types
 import typing
 from pathlib import Path
@@ -21,6 +20,7 @@ from zofed.fl.aggregate import AGGREGATORS
 from zofed.fl.methods import get_method
 from zofed.fl.server_opt import SERVER_OPTIMIZERS, ServerOptimizer, make_server_optimizer
 from zofed.models.selection import TrainableConfig
+from zofed.run.checkpoint import write_atomic_text
 from zofed.zo.noise import NoiseKind
 from zofed.zo.optim import OPTIMIZER_NAMES, hyperparameters
 
@@ -380,9 +380,7 @@ def config_yaml(config: FinetuneConfig) -> str:
 
 
 def dump_config(config: FinetuneConfig, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")  # written whole or not at all
-    tmp.write_text(config_yaml(config))
-    os.replace(tmp, path)
+    write_atomic_text(path, config_yaml(config))  # written whole or not at all
 
 
 # What a resumed run may change: where it lives, how long it goes on, and how it is evaluated (in batches, and
