@@ -281,7 +281,9 @@ def test_warm_start_sizes_a_blocks_first_step_by_what_its_probes_measured():
 
 def test_relative_steps_move_each_tensor_in_proportion_to_its_own_scale():
     """With relative steps a block-wise adam step moves a tensor of RMS 0.02 fifty times less than one of RMS 1
-    (without, both by lr); an all-zero tensor moves by lr, and sgd refuses the option."""
+    (without, both by lr). An all-zero tensor (LoRA's B) is measured against the smallest nonzero scale (LoRA's
+    A), not moved by a full absolute lr; only when every tensor is zero is the step absolute. sgd refuses the
+    option."""
     d = [torch.tensor([1.0, -1.0, 1.0, -1.0])] * 3
     moved = {}
     for relative in (False, True):
@@ -291,7 +293,10 @@ def test_relative_steps_move_each_tensor_in_proportion_to_its_own_scale():
         opt.apply(t, opt.init(t), d)
         moved[relative] = [float((x - s).abs().mean()) for x, s in zip(t, start, strict=True)]
     assert moved[False] == pytest.approx([1e-2] * 3, rel=1e-3)
-    assert moved[True] == pytest.approx([1e-2, 2e-4, 1e-2], rel=1e-3)
+    assert moved[True] == pytest.approx([1e-2, 2e-4, 2e-4], rel=1e-3)
+    opt, zero = ServerOptimizer("adam", lr=1e-2, granularity="tensor", relative=True), [torch.zeros(4)]
+    opt.apply(zero, opt.init(zero), d[:1])
+    assert float(zero[0].abs().mean()) == pytest.approx(1e-2, rel=1e-3)
     with pytest.raises(ValueError, match="relative steps need an adaptive"):
         ServerOptimizer("sgd", relative=True)
 

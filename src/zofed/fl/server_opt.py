@@ -10,7 +10,8 @@ operation:
                   yogi:    v <- v - (1 - beta2) d^2 sign(v - d^2)   (v grows no faster than d^2 asks)
                   amsgrad: v as adam, vhat <- max(vhat, v), and vhat divides
                   num, den = m, sqrt(v) + tau
-    trust ratio   scale <- scale * rms(x)                    (a layer-wise trust ratio, as in LAMB)
+    trust ratio   scale <- scale * max(rms(x), r0)            (a layer-wise trust ratio, as in LAMB; r0: the
+                                                              smallest RMS of a nonzero trainable tensor)
     schedule      scale <- scale * lr_t                      (constant, or a cosine to zero over R rounds)
     then          x <- x + scale * num / den
 
@@ -27,7 +28,11 @@ tensor-wise v can warm-start from the energy its first round is expected to carr
 supplies `expected_square`).
 
 The relative step makes lr a relative step size, so a small-valued tensor (a freshly drawn classifier head, std
-0.02) is not moved as far as a unit-scale gain; an all-zero tensor moves by lr, as if absolute. The cosine
+0.02) is not moved as far as a unit-scale gain. A tensor that starts at zero (LoRA's B) has no scale of its own:
+its own RMS would either give it a full absolute step (lr, ~50 times A's) or, once it is tiny, a growth of lr per
+round that never gets it anywhere. It is measured against the smallest scale among the nonzero trainable tensors
+(LoRA's A) until it outgrows it; a tensor at or above that floor keeps its own RMS, so sets without zero tensors
+step exactly as without the floor. Only when every tensor is zero does lr become absolute. The cosine
 schedule shrinks a normalized step that would otherwise keep its length when the update is mostly noise.
 """
 
@@ -131,7 +136,8 @@ class Moments:
 
 @dataclass(frozen=True)
 class TrustRatio:
-    """Scales each tensor's step by the tensor's own root mean square (1 for an all-zero tensor)."""
+    """Scales each tensor's step by the tensor's own root mean square, floored at the smallest RMS of a nonzero
+    trainable tensor (1 when every tensor is zero)."""
 
     extras: frozenset[str] = frozenset()
 
@@ -139,9 +145,10 @@ class TrustRatio:
         return {}
 
     def update(self, steps, buffers, tensors, step, extras):
-        for s, t in zip(steps, tensors, strict=True):
-            rms = float(t.double().pow(2).mean().sqrt())
-            s.scale *= rms if rms > 0 else 1.0
+        rms = [float(t.double().pow(2).mean().sqrt()) for t in tensors]
+        floor = min((r for r in rms if r > 0), default=1.0)
+        for s, r in zip(steps, rms, strict=True):
+            s.scale *= max(r, floor)
         return steps
 
 
