@@ -57,10 +57,9 @@ from zofed.fl.methods import get_method
 from zofed.fl.plan import LocalTraining
 from zofed.run.checkpoint import find_checkpoint, write_atomic_text
 from zofed.run.config import FederatedConfig, load_config
-from zofed.run.federated import prepare_run
+from zofed.run.federated import run_federated
 from zofed.run.metrics import MetricsLog
 from zofed.run.setup import build
-from zofed.sim.engine import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "runs" / "bench" / "instruction"
@@ -117,7 +116,8 @@ def make_config(row: str, seed: int, budget: float, evalset: tuple[int | None, i
     lr_key = "federation.first_order_lr" if get_method(method).first_order else "optimizer.lr"
     return load_config(None, [*overrides, *METHOD_OPTIONS.get(method, []), f"federation.method={method}",
                               f"{lr_key}={LRS[row]}", f"federation.rounds={rounds}",
-                              f"federation.eval_every={max(1, rounds // 5)}", f"task.max_new_tokens={curve}"],
+                              f"federation.eval_every={max(1, rounds // 5)}", f"task.max_new_tokens={tokens}",
+                              f"task.curve_max_new_tokens={curve}"],
                        schema=FederatedConfig)
 
 
@@ -132,30 +132,15 @@ def zero_shot(evalset: tuple[int | None, int, int]) -> dict:
 
 
 def federate(row: str, seed: int, budget: float, evalset: tuple[int | None, int, int]) -> dict:
-    """One federated row: the rounds with the curves' generation length, then the final test with the final one
-    (a resumed run that had finished its rounds only tests again)."""
+    """One federated row: the rounds (curve answers at most `curve` tokens long), then the final test at full
+    length (a resumed run that had finished its rounds only tests again)."""
     tokens, curve_tokens = evalset[1:]
     out = RUNS / row_key(row, seed, budget, evalset).replace("|", "_")
     config = make_config(row, seed, budget, evalset, out)
     t0 = time.perf_counter()
-    run = prepare_run(config, resume=find_checkpoint(out / "checkpoint") is not None)
-    setup_seconds = time.perf_counter() - t0  # model, data (tokenizing) and the round-0 evaluation
-    evaluated: list[float] = []
-
-    def evaluate(round_done: int) -> dict[str, float]:
-        start = time.perf_counter()
-        result = run.evaluate(round_done)
-        if result:
-            evaluated.append(time.perf_counter() - start)
-        return result
-
-    with run.progress(Console(stderr=True), sys.stderr.isatty()) as on_round:
-        simulate(run.client_context(), [s.train for s in run.splits], run.server, config.federation.rounds,
-                 start_round=run.start_round, evaluate=evaluate, on_round=on_round, on_checkpoint=run.checkpoint)
-    run.setup.task.config.max_new_tokens = tokens  # the final test answers at full length; the curves did not
-    t1 = time.perf_counter()
-    results = run.finish(t1 - t0, final_max_new_tokens=tokens)
-    final_seconds = time.perf_counter() - t1
+    results = run_federated(config, resume=find_checkpoint(out / "checkpoint") is not None,
+                            show_progress=sys.stderr.isatty(), console=Console(stderr=True))
+    wall = time.perf_counter() - t0
     expected = per_client_round_cost(row)
     if abs(results["forward_passes_per_client_round"] - expected) > 1e-9:  # the row's cost model must be the run's
         raise RuntimeError(f"{row}: the run counted {results['forward_passes_per_client_round']} passes a client "
@@ -168,6 +153,7 @@ def federate(row: str, seed: int, budget: float, evalset: tuple[int | None, int,
         uplink += r["bytes_up_per_client"]
         if "eval_rougeL" in r:
             curve.append([r["forward_passes"], uplink, r["round"], r["eval_rougeL"], r["eval_loss"]])
+    curve_seconds = [r["eval_seconds"] for r in rounds if "eval_seconds" in r]
     return {"row": row, "method": ROWS[row], "seed": seed, "lr": LRS[row], "budget": budget,
             "rounds": config.federation.rounds, "forward_passes": results["forward_passes"],
             "forward_passes_per_client_round": expected, "trainable_parameters": results["trainable_parameters"],
@@ -176,9 +162,10 @@ def federate(row: str, seed: int, budget: float, evalset: tuple[int | None, int,
             "bytes_up_per_client_round": results["bytes_up_per_client_round"],
             "bytes_down_per_client_round": results["bytes_down_per_client_round"], "curve": curve,
             "seconds_per_round": round(float(np.mean([r["round_seconds"] for r in rounds])), 1),
-            "setup_seconds": round(setup_seconds, 1),
-            "curve_eval_seconds": round(float(np.mean(evaluated)), 1) if evaluated else None,
-            "final_eval_seconds": round(final_seconds, 1), "run_dir": str(out.relative_to(ROOT))}
+            # model, data (tokenizing) and the round-0 evaluation; the rest of this sitting's wall time
+            "setup_seconds": round(wall - results["seconds_this_sitting"] - results["test_seconds"], 1),
+            "curve_eval_seconds": round(float(np.mean(curve_seconds)), 1) if curve_seconds else None,
+            "final_eval_seconds": round(results["test_seconds"], 1), "run_dir": str(out.relative_to(ROOT))}
 
 
 def _process(row: str, seed: int, budget: float, evalset: tuple[int | None, int, int], threads: int) -> dict:

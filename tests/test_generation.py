@@ -8,7 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from rouge_score import rouge_scorer
+from toy_federation import tiny_federated_config
+from typer.testing import CliRunner
 
+from zofed.cli import app
 from zofed.data.generation import generate_ids, rouge_l
 from zofed.data.sources import DataError, TextDataset
 from zofed.data.tasks import INSTRUCTION_TEMPLATE, TaskConfig, make_task
@@ -225,6 +228,13 @@ def test_evaluate_scores_the_first_generate_eval_examples(centralized_run):
     for i, prediction in zip(watched, [*predictions[:3], "zzz"], strict=True):
         data.references[i] = prediction
     assert task.evaluate(setup.model, data, 4, watched)["rougeL"] == 1.0
+    # A curve point answers at most task.curve_max_new_tokens; the final test keeps task.max_new_tokens.
+    short = task.generate(setup.model, [data.prompt_ids[i] for i in watched[:3]], max_new_tokens=1)
+    assert all(len(p.split()) <= 1 for p in short) and any(len(p.split()) > 1 for p in predictions[:3])
+    setup.task.config = task.config.model_copy(update={"curve_max_new_tokens": 1})
+    curve_point = task.evaluate_during_training(setup.model, data, 4, watched)["rougeL"]
+    assert curve_point == pytest.approx(rouge_l(short, predictions[:3])) and curve_point < 1.0
+    assert task.evaluate(setup.model, data, 4, watched)["rougeL"] == 1.0
     setup.task.config = task.config.model_copy(update={"generate_eval": 4})
     assert task.evaluate(setup.model, data, 4, watched)["rougeL"] == 0.75
     setup.task.config = task.config.model_copy(update={"generate_eval": 0})
@@ -244,10 +254,6 @@ def test_generate_from_run_answers_each_prompt(centralized_run, tmp_path):
 
 
 def test_zofed_generate_prints_each_prompt_and_the_runs_completion(centralized_run):
-    from typer.testing import CliRunner
-
-    from zofed.cli import app
-
     expected = generate_from_run(centralized_run[0], ["w3 was"], max_new_tokens=3)[0]
     shown = CliRunner().invoke(app, ["generate", str(centralized_run[0]), "-p", "w3 was", "--max-new-tokens", "3"])
     assert shown.exit_code == 0, shown.output
@@ -277,6 +283,16 @@ def test_a_federated_causal_lm_run_reports_rouge_l_per_round_and_per_client(inst
                             show_progress=False)
     assert written["client_metric"] == "rougeL" and written["client_rougeL"] == []
     assert written["eval_rougeL_start"] is not None and "eval_accuracy_start" not in written
+    # `zofed report` plots and tabulates ROUGE-L for these runs, and will not put them beside a classification.
+    report = CliRunner().invoke(app, ["report", str(out), str(tmp_path / "bare"), "--out", str(tmp_path / "rep")])
+    assert report.exit_code == 0, report.output
+    table = (tmp_path / "rep" / "report.md").read_text()
+    assert "| test ROUGE-L | client mean |" in table and f"| {results['test']['rougeL']:.4f} |" in table
+    classification = tmp_path / "cls"
+    run_federated(tiny_federated_config(instructions[0].parent, classification, "federation.rounds=1"),
+                  show_progress=False)
+    mixed = CliRunner().invoke(app, ["report", str(out), str(classification), "--out", str(tmp_path / "mixed")])
+    assert mixed.exit_code != 0 and "one headline metric" in mixed.output and "cls: accuracy" in mixed.output
 
 
 def test_generating_from_a_classification_run_is_refused(tiny_workspace, tmp_path):

@@ -133,8 +133,9 @@ def run(
             results = run_federated(cfg, resume=resume, console=console)
     except _user_errors() as err:
         _fail(str(err))
+    metric = results["client_metric"]  # the task's headline: accuracy, rougeL or loss
     console.print(_results_table("federated results", results, (
-        "eval_accuracy_start", "eval_accuracy_final", "client_accuracy_mean", "client_accuracy_worst10",
+        f"eval_{metric}_start", f"eval_{metric}_final", f"client_{metric}_mean", f"client_{metric}_worst10",
         "bytes_up_per_client_round", "bytes_down_per_client_round", "forward_passes", "rejected_uplinks")))
     console.print(f"run directory: {cfg.out_dir} (metrics.jsonl/.csv, partition.png, results.json)")
 
@@ -212,7 +213,7 @@ def _print_results(results: dict, out: Path) -> None:
     curve = results.get("eval_curve") or {}
     if curve:
         first, last = curve["first"], curve["last"]
-        for key in ("eval_accuracy", "eval_loss"):
+        for key in ("eval_accuracy", "eval_rougeL", "eval_loss"):
             if key in first:
                 table.add_row(f"{key} step {first['step']} -> {last['step']}", f"{first[key]:.4f} -> {last[key]:.4f}")
     console.print(table)

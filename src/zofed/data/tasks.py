@@ -47,12 +47,15 @@ class TaskConfig(BaseModel):
     prompt_format: PromptFormat = "auto"
     generate_eval: int = Field(0, ge=0)  # generate for the first N evaluated examples and report rougeL; 0: none
     max_new_tokens: int = Field(128, ge=1)  # the longest generated response
+    # the longest response in the evaluations during training (the learning curves); unset: max_new_tokens.
+    # Shorter curve answers make each curve point cheap while the final test still answers at full length.
+    curve_max_new_tokens: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _causal_lm_settings(self) -> TaskConfig:
         # Set for a classification task they would be silently ignored: say so instead.
         if self.type != "causal-lm":
-            changed = [name for name in ("prompt_format", "generate_eval", "max_new_tokens")
+            changed = [name for name in ("prompt_format", "generate_eval", "max_new_tokens", "curve_max_new_tokens")
                        if getattr(self, name) != type(self).model_fields[name].default]
             if changed:
                 raise ValueError(f"{', '.join('task.' + name for name in changed)}: settings of task.type causal-lm, "
@@ -190,6 +193,11 @@ class Task:
             correct += int((logits.argmax(-1) == batch.labels).sum())
         n = max(1, len(order))
         return {"accuracy": correct / n, "loss": loss_sum / n}
+
+    def evaluate_during_training(self, model: torch.nn.Module, data: Encoded, batch_size: int,
+                                 indices) -> dict[str, float]:
+        """A learning-curve point on the watched examples `indices`: the same measures as the final test."""
+        return self.evaluate(model, data, batch_size, indices)
 
 
 class PromptClassification(Task):
@@ -341,9 +349,10 @@ class CausalLM(Task):
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, data: Encoded, batch_size: int = 16,
-                 indices=None) -> dict[str, float]:
+                 indices=None, max_new_tokens: int | None = None) -> dict[str, float]:
         """The mean response-token loss over `indices` (all examples by default) and, with task.generate_eval > 0,
-        the mean ROUGE-L of greedy generations for the first generate_eval of them."""
+        the mean ROUGE-L of greedy generations (at most `max_new_tokens`, default task.max_new_tokens, new
+        tokens) for the first generate_eval of them."""
         order = np.arange(len(data)) if indices is None else np.asarray(indices)
         total, count = 0.0, 0
         for start in range(0, len(order), batch_size):
@@ -354,21 +363,31 @@ class CausalLM(Task):
             count += int((targets != -100).sum())
         result = {"loss": total / max(1, count)}
         if self.config.generate_eval > 0:
-            result["rougeL"] = self.generation_score(model, data, order[: self.config.generate_eval], batch_size)
+            result["rougeL"] = self.generation_score(model, data, order[: self.config.generate_eval], batch_size,
+                                                     max_new_tokens)
         return result
 
-    def generate(self, model: torch.nn.Module, prompts: list[list[int]], batch_size: int = 16,
-                 progress: Progress | None = None) -> list[str]:
-        """Greedy responses to tokenized prompts (from `prompt`), at most task.max_new_tokens long."""
-        return generate_texts(model, self.tokenizer, prompts, max_new_tokens=self.config.max_new_tokens,
-                              batch_size=batch_size, progress=progress)
+    def evaluate_during_training(self, model: torch.nn.Module, data: Encoded, batch_size: int,
+                                 indices) -> dict[str, float]:
+        """A learning-curve point: answers at most task.curve_max_new_tokens long (unset: max_new_tokens)."""
+        return self.evaluate(model, data, batch_size, indices, self.config.curve_max_new_tokens)
 
-    def generation_score(self, model: torch.nn.Module, data: Encoded, indices, batch_size: int = 16) -> float:
+    def generate(self, model: torch.nn.Module, prompts: list[list[int]], batch_size: int = 16,
+                 progress: Progress | None = None, max_new_tokens: int | None = None) -> list[str]:
+        """Greedy responses to tokenized prompts (from `prompt`), at most `max_new_tokens` (default
+        task.max_new_tokens) long."""
+        limit = max_new_tokens or self.config.max_new_tokens
+        return generate_texts(model, self.tokenizer, prompts, max_new_tokens=limit, batch_size=batch_size,
+                              progress=progress)
+
+    def generation_score(self, model: torch.nn.Module, data: Encoded, indices, batch_size: int = 16,
+                         max_new_tokens: int | None = None) -> float:
         """Mean ROUGE-L of the greedy responses to the examples at `indices` against their reference responses."""
         if data.prompt_ids is None or data.references is None:
             raise ValueError("generation-based evaluation needs the prompts and references that CausalLM.encode "
                              "stores; this data set was encoded without them")
-        predictions = self.generate(model, [data.prompt_ids[i] for i in indices], batch_size)
+        predictions = self.generate(model, [data.prompt_ids[i] for i in indices], batch_size,
+                                    max_new_tokens=max_new_tokens)
         return rouge_l(predictions, [data.references[i] for i in indices])
 
 

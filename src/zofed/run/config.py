@@ -387,7 +387,8 @@ def dump_config(config: FinetuneConfig, path: Path) -> None:
 # how many generations are scored)
 # (train.steps only under a constant lr schedule, federation.rounds only without a cosine server decay).
 RESUMABLE_CHANGES = frozenset({"out_dir", "train.steps", "federation.rounds", "train.eval_batch_size",
-                               "task.generate_eval", "task.max_new_tokens"})  # the last two only shape evaluation
+                               "task.generate_eval", "task.max_new_tokens",
+                               "task.curve_max_new_tokens"})  # the last three only shape evaluation
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

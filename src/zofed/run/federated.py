@@ -33,12 +33,9 @@ from zofed.fl.plan import FEDERATED_OPTIMIZERS, FederationPlan
 from zofed.fl.roles import ServerRole
 from zofed.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, write_atomic_text
 from zofed.run.config import ConfigError, FederatedConfig, check_resumed_config, dump_config
-from zofed.run.metrics import MetricsLog
+from zofed.run.metrics import CLIENT_LISTS, MetricsLog
 from zofed.run.setup import Setup, build, eval_indices, save_final
 from zofed.sim.engine import simulate
-
-# The per-client list in results.json, by headline metric (lower is better only for the loss).
-CLIENT_LISTS = {"accuracy": "client_accuracies", "rougeL": "client_rougeL", "loss": "client_losses"}
 
 
 def per_client_metric(setup: Setup, splits: list[ClientSplit], batch_size: int) -> tuple[str, list[float]]:
@@ -103,15 +100,17 @@ class FederatedRun:
         fed = self.config.federation
         if round_done % fed.eval_every and round_done != fed.rounds:
             return {}
-        result = self.setup.task.evaluate(self.setup.model, self.setup.test, self.config.train.eval_batch_size,
-                                          self.watch)
-        return {f"eval_{k}": v for k, v in result.items()}
+        t0 = time.perf_counter()
+        result = self.setup.task.evaluate_during_training(self.setup.model, self.setup.test,
+                                                          self.config.train.eval_batch_size, self.watch)
+        # generation makes an evaluation cost as much as a round: its time is kept apart from the round's
+        return {**{f"eval_{k}": v for k, v in result.items()}, "eval_seconds": round(time.perf_counter() - t0, 2)}
 
     def evaluate_start(self) -> None:
         """The starting model on the fixed test subset, recorded as round 0: curves then show where training
         began. The model must hold the starting tensors."""
-        result = self.setup.task.evaluate(self.setup.model, self.setup.test, self.config.train.eval_batch_size,
-                                          self.watch)
+        result = self.setup.task.evaluate_during_training(self.setup.model, self.setup.test,
+                                                          self.config.train.eval_batch_size, self.watch)
         self.metrics.write({"step": 0, "event": "eval", "round": 0, **{f"eval_{k}": v for k, v in result.items()}})
 
     def checkpoint(self, round_done: int, server: ServerRole) -> None:
@@ -152,7 +151,9 @@ class FederatedRun:
         """Save the final tensors (the model must hold the global ones), test, and write results.json."""
         setup, config, fed = self.setup, self.config, self.config.federation
         save_final(setup, self.out)
+        t0 = time.perf_counter()
         test = setup.task.evaluate(setup.model, setup.test, config.train.eval_batch_size)
+        test_seconds = time.perf_counter() - t0
         metric, clients = per_client_metric(setup, self.splits, config.train.eval_batch_size)
         records = self.metrics.read()
         history = [r for r in records if r["event"] == "round"]
@@ -170,7 +171,8 @@ class FederatedRun:
                    "rejected_uplinks": sum(len(r["rejected"]) for r in history),
                    f"{key}_start": start[-1] if start else None,
                    f"{key}_final": evaluated[-1] if evaluated else None,
-                   "trainable_parameters": setup.trainable.numel(), "seconds_this_sitting": seconds, **extra}
+                   "trainable_parameters": setup.trainable.numel(), "seconds_this_sitting": seconds,
+                   "test_seconds": round(test_seconds, 2), **extra}
         write_atomic_text(self.out / "results.json", json.dumps(results, indent=2))
         return results
 

@@ -74,7 +74,7 @@ def finetune(config: FinetuneConfig, *, resume: bool = False, show_progress: boo
     progress = Progress(*columns, disable=not show_progress, transient=False)
 
     def evaluate(step: int) -> dict[str, float]:
-        result = setup.task.evaluate(setup.model, setup.test, config.train.eval_batch_size, watch)
+        result = setup.task.evaluate_during_training(setup.model, setup.test, config.train.eval_batch_size, watch)
         metrics.write({"step": step, "event": "eval", "forward_passes": forward_passes,
                        **{f"eval_{k}": v for k, v in result.items()}})
         if show_progress:

@@ -6,6 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+# A run's headline metric -> its per-client list in results.json (lower is better only for the loss).
+CLIENT_LISTS = {"accuracy": "client_accuracies", "rougeL": "client_rougeL", "loss": "client_losses"}
+
 
 class MetricsLog:
     def __init__(self, path: Path) -> None:

@@ -1,10 +1,11 @@
 """`zofed report`: compare federated runs as plots (PNG) and a markdown summary.
 
-Three figures: accuracy on the fixed test subset against rounds, the same against cumulative uplink bytes per
-client (log scale: seed-and-scalar methods and dense-upload methods differ by orders of magnitude), and the
-spread of the final global model's accuracy over the clients' own held-out data. A run whose clients hold no
-test examples (`federation.partition.test_fraction=0`) has no per-client accuracy: it is left out of the spread
-(the panel too, when no run has one) and its table cells say "n/a".
+Three figures of the runs' headline metric (accuracy for classification, ROUGE-L for a causal LM that generates,
+else its loss; the runs compared must share it): the metric on the fixed test subset against rounds, the same
+against cumulative uplink bytes per client (log scale: seed-and-scalar methods and dense-upload methods differ by
+orders of magnitude), and the spread of the final global model's metric over the clients' own held-out data. A
+run whose clients hold no test examples (`federation.partition.test_fraction=0`) has no per-client values: it is
+left out of the spread (the panel too, when no run has one) and its table cells say "n/a".
 """
 
 from __future__ import annotations
@@ -18,17 +19,25 @@ import yaml
 
 from zofed.run.checkpoint import write_atomic_text
 from zofed.run.config import ConfigError
-from zofed.run.metrics import MetricsLog
+from zofed.run.metrics import CLIENT_LISTS, MetricsLog
+
+METRIC_NAMES = {"accuracy": "accuracy", "rougeL": "ROUGE-L", "loss": "loss"}  # each headline metric in a label
 
 
 @dataclass
 class RunSummary:
     name: str
     method: str
+    metric: str  # the run's headline metric (results.json's client_metric)
     rounds: list[int]
-    accuracy: list[float]  # eval accuracy at the rounds that were evaluated
+    values: list[float]  # the metric on the test subset at the rounds that were evaluated
     cumulative_up: list[float]  # uplink bytes per client, summed up to each evaluated round
     results: dict
+
+    @property
+    def clients(self) -> list[float]:
+        """The final model's metric on each client's own held-out examples (empty: none held out)."""
+        return self.results.get(CLIENT_LISTS[self.metric]) or []
 
 
 def load_run_summary(run_dir: Path) -> RunSummary:
@@ -42,37 +51,39 @@ def load_run_summary(run_dir: Path) -> RunSummary:
         raise ConfigError(f"{run_dir} is a centralized run; zofed report compares federated runs")
     logged = MetricsLog(run_dir / "metrics.jsonl").read()
     records = [r for r in logged if r.get("event") == "round"]
+    results = json.loads((run_dir / "results.json").read_text())
+    metric = results.get("client_metric", "accuracy")  # runs from before it was recorded were classifications
+    key = f"eval_{metric}"
     up = np.cumsum([r["bytes_up_per_client"] for r in records])
     # Round 0 is the starting model (runs from before it was recorded have none).
-    evaluated = [(0, r["eval_accuracy"], 0.0) for r in logged if r.get("event") == "eval" and r.get("round") == 0]
-    evaluated += [(r["round"], r["eval_accuracy"], up[i]) for i, r in enumerate(records) if "eval_accuracy" in r]
-    return RunSummary(run_dir.name, config["federation"]["method"], [e[0] for e in evaluated],
-                      [e[1] for e in evaluated], [float(e[2]) for e in evaluated],
-                      json.loads((run_dir / "results.json").read_text()))
+    evaluated = [(0, r[key], 0.0) for r in logged if r.get("event") == "eval" and r.get("round") == 0 and key in r]
+    evaluated += [(r["round"], r[key], up[i]) for i, r in enumerate(records) if key in r]
+    return RunSummary(run_dir.name, config["federation"]["method"], metric, [e[0] for e in evaluated],
+                      [e[1] for e in evaluated], [float(e[2]) for e in evaluated], results)
 
 
 def _figure(runs: list[RunSummary], out: Path) -> None:
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator, NullFormatter
 
-    evaluated = [run for run in runs if run.results.get("client_accuracies")]
+    name = METRIC_NAMES[runs[0].metric]
+    evaluated = [run for run in runs if run.clients]
     fig = Figure(figsize=(15 if evaluated else 10, 4.2))
     by_round, by_bytes, *spread_axes = fig.subplots(1, 3 if evaluated else 2)
     for run in runs:
         label = f"{run.name} ({run.method})"
-        by_round.plot(run.rounds, run.accuracy, marker="o", ms=3, label=label)
-        sent = [(b, a) for b, a in zip(run.cumulative_up, run.accuracy, strict=True) if b > 0]  # a log axis
+        by_round.plot(run.rounds, run.values, marker="o", ms=3, label=label)
+        sent = [(b, a) for b, a in zip(run.cumulative_up, run.values, strict=True) if b > 0]  # a log axis
         by_bytes.plot([b for b, _ in sent], [a for _, a in sent], marker="o", ms=3, label=label)
-    by_round.set(xlabel="round (0: the starting model)", ylabel="test accuracy (fixed subset)",
-                 title="accuracy against rounds")
-    by_bytes.set(xscale="log", xlabel="cumulative uplink bytes per client", title="accuracy against bytes sent")
+    by_round.set(xlabel="round (0: the starting model)", ylabel=f"test {name} (fixed subset)",
+                 title=f"{name} against rounds")
+    by_bytes.set(xscale="log", xlabel="cumulative uplink bytes per client", title=f"{name} against bytes sent")
     by_bytes.xaxis.set_minor_formatter(NullFormatter())  # minor labels on a log axis overlap
     by_round.xaxis.set_major_locator(MaxNLocator(integer=True))
     if evaluated:
         (spread,) = spread_axes
-        spread.boxplot([run.results["client_accuracies"] for run in evaluated],
-                       tick_labels=[run.name for run in evaluated])
-        spread.set(ylabel="accuracy on each client's own test split", title="per-client accuracy (final model)")
+        spread.boxplot([run.clients for run in evaluated], tick_labels=[run.name for run in evaluated])
+        spread.set(ylabel=f"{name} on each client's own test split", title=f"per-client {name} (final model)")
         spread.tick_params(axis="x", labelrotation=20)
         skipped = [run.name for run in runs if run not in evaluated]
         if skipped:  # say why a run is missing from this panel
@@ -88,12 +99,14 @@ def _or_na(value: float | None) -> str:
 
 
 def _markdown(runs: list[RunSummary]) -> str:
-    lines = ["| run | method | rounds | test accuracy | client mean | client worst 10% | bytes up / client / round "
-             "| bytes down / client / round | forward passes | rejected uplinks |", "|" + "---|" * 10]
+    metric = runs[0].metric
+    lines = [f"| run | method | rounds | test {METRIC_NAMES[metric]} | client mean | client worst 10% "
+             "| bytes up / client / round | bytes down / client / round | forward passes | rejected uplinks |",
+             "|" + "---|" * 10]
     for run in runs:
         r = run.results
-        lines.append(f"| {run.name} | {run.method} | {r['rounds']} | {r['test']['accuracy']:.4f} "
-                     f"| {_or_na(r.get('client_accuracy_mean'))} | {_or_na(r.get('client_accuracy_worst10'))} "
+        lines.append(f"| {run.name} | {run.method} | {r['rounds']} | {r['test'][metric]:.4f} "
+                     f"| {_or_na(r.get(f'client_{metric}_mean'))} | {_or_na(r.get(f'client_{metric}_worst10'))} "
                      f"| {r['bytes_up_per_client_round']:,.0f} | {r['bytes_down_per_client_round']:,.0f} "
                      f"| {r['forward_passes']:,} | {r['rejected_uplinks']} |")
     return "\n".join(lines) + "\n"
@@ -102,9 +115,14 @@ def _markdown(runs: list[RunSummary]) -> str:
 def write_report(run_dirs: list[Path], out_dir: Path) -> tuple[Path, Path]:
     """Write report.png and report.md for `run_dirs` into `out_dir`; returns both paths."""
     runs = [load_run_summary(Path(d)) for d in run_dirs]
+    metrics = {run.metric for run in runs}
+    if len(metrics) > 1:
+        raise ConfigError("zofed report compares runs on one headline metric; these report "
+                          + ", ".join(f"{run.name}: {run.metric}" for run in runs))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     png, md = out_dir / "report.png", out_dir / "report.md"
     _figure(runs, png)
-    write_atomic_text(md, f"# zofed report\n\n![accuracy, bytes, client spread]({png.name})\n\n{_markdown(runs)}")
+    name = METRIC_NAMES[runs[0].metric]
+    write_atomic_text(md, f"# zofed report\n\n![{name}, bytes, client spread]({png.name})\n\n{_markdown(runs)}")
     return png, md
