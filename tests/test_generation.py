@@ -319,3 +319,32 @@ def test_instruction_records_with_an_empty_context_load_when_the_column_is_optio
         load_splits(load_config(None, base))
     train, test = load_splits(load_config(None, [*base, "data.optional_columns=[context]"]))
     assert len(train) + len(test) == 6 and sum(f["context"] == "" for f in [*train.fields, *test.fields]) == 3
+
+
+def test_a_held_out_category_becomes_the_test_task(tiny_workspace, tmp_path):
+    """data.heldout_column/values: the chosen category's records leave training and are the whole test set (the
+    given test file is not used); bad settings name what is wrong."""
+    from zofed.run.setup import load_splits
+
+    categories = ["qa", "summary", "creative"]
+    records = [{"instruction": f"say w{i}", "context": "", "response": f"w{i}", "category": categories[i % 3]}
+               for i in range(12)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "test.jsonl").write_text(json.dumps(records[0]) + "\n")
+    base = [f"model.name={tiny_workspace / 'model'}", f"data.source={tmp_path / 'train.jsonl'}",
+            f"data.test_source={tmp_path / 'test.jsonl'}", "data.optional_columns=[context]",
+            "data.text_columns=[instruction, context, response, category]", "data.label_column=null",
+            "task.type=causal-lm"]
+    train, test = load_splits(load_config(None, [*base, "data.heldout_column=category",
+                                                 "data.heldout_values=[creative]"]))
+    assert [f["category"] for f in test.fields] == ["creative"] * 4 and len(test) == 4
+    assert len(train) == 8 and "creative" not in {f["category"] for f in train.fields}
+    with pytest.raises(ConfigError, match=r"\['poetry'\] not among .*'category' values \['creative', 'qa', "):
+        load_splits(load_config(None, [*base, "data.heldout_column=category", "data.heldout_values=[poetry]"]))
+    with pytest.raises(ConfigError, match="nothing is left to train on"):
+        load_splits(load_config(None, [*base, "data.heldout_column=category",
+                                       "data.heldout_values=[qa, summary, creative]"]))
+    with pytest.raises(ConfigError, match="example 0 has no such field"):
+        load_splits(load_config(None, [*base, "data.heldout_column=topic", "data.heldout_values=[qa]"]))
+    with pytest.raises(ConfigError, match="needs both data.heldout_column"):
+        load_config(None, [*base, "data.heldout_column=category"])

@@ -121,6 +121,27 @@ def test_label_schemes_need_labels(scheme):
     assert len(partition(data, config("iid"))) == 10  # label-agnostic schemes still work
 
 
+def test_label_skew_schemes_split_unlabelled_data_by_a_column():
+    """Dirichlet over a field's values (Dolly's categories): unlabelled data splits, the skew follows alpha, and
+    pathological gives each client exactly its share of values."""
+    users = make_data(n=2000, users=5)
+    data = TextDataset(users.fields, None, None, "unlabelled")
+
+    def user_entropy(alpha: float) -> float:
+        parts = partition(data, config("dirichlet", num_clients=10, alpha=alpha, column="user"))
+        shares = [np.unique([data.fields[i]["user"] for i in p], return_counts=True)[1] / len(p) for p in parts]
+        return float(np.mean([-(q * np.log2(q)).sum() for q in shares]))
+
+    assert user_entropy(0.1) < user_entropy(1.0) < user_entropy(100.0)
+    assert user_entropy(100.0) == pytest.approx(math.log2(5), abs=0.05)
+    parts = partition(data, config("pathological", num_clients=5, classes_per_client=2, column="user"))
+    assert [len({data.fields[i]["user"] for i in p}) for p in parts] == [2] * 5
+    with pytest.raises(PartitionError, match="dirichlet partition by column 'speaker'"):
+        partition(data, config("dirichlet", column="speaker"))
+    with pytest.raises(ValidationError, match="'iid' ignores column='user'"):
+        config("iid", column="user")
+
+
 @pytest.mark.parametrize(
     "bad",
     [

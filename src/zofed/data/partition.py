@@ -36,7 +36,9 @@ class PartitionConfig(BaseModel):
     each client's label mix for "dirichlet-mix" (label skew with equal client sizes: every client gets examples
     however many clients and however small alpha, where "dirichlet" leaves clients empty), over client sizes for
     "quantity"; small alpha means strong skew. "natural" makes one client per distinct
-    value of ``fields[i][column]`` and ignores ``num_clients``: read the client count from the result.
+    value of ``fields[i][column]`` and ignores ``num_clients``: read the client count from the result. The label-skew
+    schemes ("dirichlet", "dirichlet-mix", "pathological") skew the labels, or with ``column`` that field's values
+    (Dolly's categories: "dirichlet" with ``column=category`` mixes each client's categories by Dir(alpha)).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -54,6 +56,9 @@ class PartitionConfig(BaseModel):
     def _natural_needs_column(self) -> PartitionConfig:
         if self.scheme == "natural" and not self.column:
             raise ValueError("scheme 'natural' needs column= (the field whose value defines the client)")
+        if self.scheme in ("iid", "quantity") and self.column:
+            raise ValueError(f"scheme {self.scheme!r} ignores column={self.column!r}; column names the field that "
+                             "'natural' and the label-skew schemes (dirichlet, dirichlet-mix, pathological) split by")
         return self
 
 
@@ -89,12 +94,12 @@ def partition(data: TextDataset, config: PartitionConfig) -> list[np.ndarray]:
         if config.scheme == "iid":
             parts = np.array_split(rng.permutation(n), config.num_clients)
         elif config.scheme == "dirichlet":
-            labels = _labels(data, "dirichlet")
+            labels = _labels(data, "dirichlet", config.column)
             parts = _redraw(lambda: _dirichlet_once(labels, config.num_clients, config.alpha, rng), data, config)
         elif config.scheme == "dirichlet-mix":
-            parts = _dirichlet_mix(_labels(data, "dirichlet-mix"), config.num_clients, config.alpha, rng)
+            parts = _dirichlet_mix(_labels(data, "dirichlet-mix", config.column), config.num_clients, config.alpha, rng)
         elif config.scheme == "pathological":
-            parts = _pathological(_labels(data, "pathological"), config, rng)
+            parts = _pathological(_labels(data, "pathological", config.column), config, rng)
         else:  # quantity
             parts = _redraw(lambda: _quantity_once(n, config.num_clients, config.alpha, rng), data, config)
     parts = [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
@@ -102,7 +107,10 @@ def partition(data: TextDataset, config: PartitionConfig) -> list[np.ndarray]:
     return parts
 
 
-def _labels(data: TextDataset, scheme: str) -> np.ndarray:
+def _labels(data: TextDataset, scheme: str, column: str | None = None) -> np.ndarray:
+    """The class of each example: its label, or with `column` the index of its value of that field."""
+    if column:
+        return _column_codes(data, column, scheme)
     if data.labels is None:
         raise PartitionError(
             f"{data.name}: scheme {scheme!r} splits by label but the data set is unlabelled; "
@@ -196,19 +204,24 @@ def _pathological(labels: np.ndarray, config: PartitionConfig, rng: np.random.Ge
     return [np.concatenate(c) for c in chunks]
 
 
-def _natural(data: TextDataset, column: str) -> list[np.ndarray]:
+def _column_codes(data: TextDataset, column: str, scheme: str) -> np.ndarray:
+    """Each example's value of `column` as the index of that value in sorted order (stable across runs and file
+    orders)."""
     values = []
     for i, example in enumerate(data.fields):
         if column not in example:
             raise PartitionError(
-                f"{data.name}: natural partition by column {column!r}, but example {i} has no such field; "
+                f"{data.name}: {scheme} partition by column {column!r}, but example {i} has no such field; "
                 f"available fields: {sorted(example)}"
             )
         values.append(example[column])
-    # Client i is the i-th distinct value in sorted order, so ids stay stable across runs and file orders.
     groups = {v: g for g, v in enumerate(sorted(set(values)))}
-    codes = np.array([groups[v] for v in values], dtype=np.int64)
-    return [np.flatnonzero(codes == g) for g in range(len(groups))]
+    return np.array([groups[v] for v in values], dtype=np.int64)
+
+
+def _natural(data: TextDataset, column: str) -> list[np.ndarray]:
+    codes = _column_codes(data, column, "natural")  # client i holds the i-th distinct value
+    return [np.flatnonzero(codes == g) for g in range(int(codes.max()) + 1)]
 
 
 def _check(parts: list[np.ndarray], n: int, data: TextDataset, config: PartitionConfig) -> None:

@@ -62,12 +62,19 @@ class DataSection(_Section):
     # settings can be tuned without looking at the test data.
     validation_examples: int | None = Field(None, ge=1)
     evaluate_on: Literal["test", "validation"] = "test"
+    # A held-out task: the training records whose `heldout_column` field is one of `heldout_values` leave the
+    # training data and become the test set (in place of the source's own), e.g. one Dolly category never trained on.
+    heldout_column: str | None = None
+    heldout_values: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _validation_exists(self) -> DataSection:
         if self.evaluate_on == "validation" and self.validation_examples is None:
             raise ValueError("evaluate_on: validation needs data.validation_examples (the split carved from "
                              "the training data)")
+        if bool(self.heldout_column) != bool(self.heldout_values):
+            raise ValueError("a held-out task needs both data.heldout_column (the field) and data.heldout_values "
+                             "(the values that make the test set)")
         return self
 
 

@@ -46,6 +46,25 @@ class Setup:
         return self.cache.fraction if self.cache is not None else 1.0
 
 
+def hold_out(train: TextDataset, column: str, values: list[str]) -> tuple[TextDataset, TextDataset]:
+    """The records whose `column` is one of `values` as the test set, the rest as the training set."""
+    missing = [i for i, f in enumerate(train.fields) if column not in f]
+    if missing:
+        raise ConfigError(f"data.heldout_column={column!r}: {train.name} example {missing[0]} has no such field "
+                          f"(fields: {sorted(train.fields[missing[0]])})")
+    found = {f[column] for f in train.fields}
+    absent = [v for v in values if v not in found]
+    if absent:
+        raise ConfigError(f"data.heldout_values: {absent} not among {train.name}'s {column!r} values {sorted(found)}")
+    chosen = np.asarray([f[column] in values for f in train.fields])
+    if chosen.all():
+        raise ConfigError(f"data.heldout_values {values} hold every record of {train.name}: nothing is left to "
+                          "train on")
+    test = train.subset(np.flatnonzero(chosen))
+    test.name = f"{train.name} ({column} {', '.join(values)})"
+    return train.subset(np.flatnonzero(~chosen)), test
+
+
 def load_splits(config: FinetuneConfig) -> tuple[TextDataset, TextDataset]:
     """Train and test datasets named by the data section."""
     data, seed = config.data, config.train.seed
@@ -63,6 +82,8 @@ def load_splits(config: FinetuneConfig) -> tuple[TextDataset, TextDataset]:
             test = load_dataset_spec(data.test_source, **options)
         else:  # no test file given: hold out a seeded fifth of the training file
             train, test = train.train_test_split(0.2, seed)
+    if data.heldout_column:
+        train, test = hold_out(train, data.heldout_column, data.heldout_values)
     if data.validation_examples is not None:
         if data.validation_examples >= len(train):
             raise ConfigError(f"data.validation_examples={data.validation_examples} leaves nothing of the "
