@@ -30,6 +30,7 @@ from zofed.run.config import FinetuneConfig, load_config
 from zofed.run.finetune import finetune
 from zofed.run.metrics import MetricsLog
 from zofed.run.setup import build
+from zofed.zo.feature_scale import SETUP_PASSES
 from zofed.zo.prefix import forward_equivalents
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +41,8 @@ TASKS = {
     "agnews": ["task.template='Article: {text} Topic:'",
                "task.verbalizer=[' World', ' Sports', ' Business', ' Technology']"],
     "mr": ["task.template='Review: {text} Sentiment:'", "task.verbalizer=[' negative', ' positive']"],
+    "sst5": ["task.template='Review: {text} Sentiment:'",
+             "task.verbalizer=[' terrible', ' bad', ' okay', ' good', ' great']"],
 }
 SETTINGS = {
     # every RMSNorm gain of the model (61 tensors, 35,136 values), one query a step: the benchmark's ZO set
@@ -54,6 +57,11 @@ SETTINGS = {
                                "trainable.patterns=['layers\\.(26|27|28|29)\\..*norm\\.weight$', "
                                "'^model\\.norm\\.weight$']",
                                "zo.prefix_cache=true", "zo.queries=4", "zo.estimator=forward"],
+    # the same with each coordinate's noise scaled by 1 / RMS of its input feature (zo/feature_scale.py)
+    "top4-cached-q4-features": ["trainable.mode=patterns",
+                                "trainable.patterns=['layers\\.(26|27|28|29)\\..*norm\\.weight$', "
+                                "'^model\\.norm\\.weight$']",
+                                "zo.prefix_cache=true", "zo.queries=4", "zo.precondition=features"],
     # the label head alone (the verbalizer's output rows, 3 x 576 values on AG News' 4 classes: 2,304) with the
     # whole backbone cached: a perturbed pass runs only the final projection, so 16 queries cost 1 pass a step
     "head-cached-q16": ["trainable.mode=none", "trainable.label_head=true", "zo.prefix_cache=true",
@@ -65,6 +73,7 @@ SETTINGS = {
                             "zo.prefix_cache=true", "zo.queries=4"],
 }
 LRS = {"dense-gains": [3e-4], "top4-cached-q4": [3e-4, 1e-3], "top4-cached-q4-forward": [1e-3],
+       "top4-cached-q4-features": [1e-3, 3e-3],
        "head-cached-q16": [1e-4, 3e-4], "head-top4-cached-q4": [1e-3]}
 COMMON = ["model.name=smollm2-135m", "optimizer.name=mezo", "zo.eps=1e-3", "train.batch_size=8", "task.max_length=64",
           "train.eval_batch_size=32", f"data.eval_examples={VALIDATION}"]
@@ -88,17 +97,20 @@ def run_row(dataset: str, setting: str, lr: float, seed: int, budget: int, point
     setup.train, setup.test = setup.task.encode(fit), setup.task.encode(validation)
     # known once the model is split
     step_cost = forward_equivalents(setup.pass_fraction, config.zo.queries, config.zo.estimator)
-    steps = int(budget // step_cost)
+    # the feature-shaped noise is measured with a few passes before training: they come out of the budget
+    setup_passes = SETUP_PASSES if config.zo.precondition == "features" else 0
+    steps = int((budget - setup_passes) // step_cost)
     every = max(1, int(round(budget / points / step_cost)))  # `points` evaluations along the curve
     config = config.model_copy(update={"train": config.train.model_copy(update={
         "steps": steps, "eval_every": every, "checkpoint_every": every})})
     setup.config = config
     results = finetune(config, resume=find_checkpoint(out / "checkpoint") is not None,
                        show_progress=sys.stderr.isatty(), setup=setup)
-    curve = [[r["forward_passes"], round(r["eval_accuracy"], 4)] for r in MetricsLog(out / "metrics.jsonl").read()
-             if r["event"] == "eval"]
+    curve = [[r["forward_passes"] + setup_passes, round(r["eval_accuracy"], 4)]
+             for r in MetricsLog(out / "metrics.jsonl").read() if r["event"] == "eval"]
     return {"dataset": dataset, "setting": setting, "lr": lr, "seed": seed, "budget": budget, "steps": steps,
-            "forward_passes_per_step": round(step_cost, 4), "trainable_parameters": setup.trainable.numel(),
+            "forward_passes_per_step": round(step_cost, 4), "setup_passes": setup_passes,
+            "trainable_parameters": setup.trainable.numel(),
             "validation_examples": len(validation), "train_examples": len(fit), "curve": curve,
             "zero_shot": curve[0][1], "final": results["test"]["accuracy"],
             "train_seconds": round(results["train_seconds"], 1), "run_dir": str(out.relative_to(ROOT))}

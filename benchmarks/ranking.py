@@ -75,6 +75,7 @@ ROWS: dict[str, tuple[str, bool]] = {
     "zofed-cosine-tensor": ("zofed", True),  # the server lr falls along a cosine to zero over the run
     "zofed-beta1-0.5": ("zofed", True),  # a server momentum that forgets in 2 rounds, not 10
     "zofed-beta1-ramp": ("zofed", True),  # server beta1 rising from 0.5 to 0.9 over the run
+    "zofed-features": ("zofed", True),  # noise scaled by 1 / RMS of each coordinate's input feature
     "hiso": ("hiso", False),
     "fedkseed": ("fedkseed", False),
     "decomfl": ("decomfl", False),
@@ -92,7 +93,8 @@ ROW_OPTIONS = {"zofed-shared": ["federation.sampling.shared_seeds=true"], "zofed
                "zofed-tensor": [TENSORWISE], "zofed-uncached-tensor": [TENSORWISE],
                "zofed-cosine-tensor": [TENSORWISE, "federation.server_optimizer.decay=cosine"],
                "zofed-beta1-0.5": ["federation.server_optimizer.beta1=0.5"],
-               "zofed-beta1-ramp": ["federation.server_optimizer.beta1_start=0.5"]}
+               "zofed-beta1-ramp": ["federation.server_optimizer.beta1_start=0.5"],
+               "zofed-features": ["zo.precondition=features"]}
 
 
 def row_overrides(row: str, trainable: str) -> tuple[list[str], float]:

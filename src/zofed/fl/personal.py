@@ -98,7 +98,7 @@ def tensor_blocks(tensors: Sequence[torch.Tensor], blocks: int = 0) -> np.ndarra
 def block_sizes(tensors: Sequence[torch.Tensor], masks: Sequence[torch.Tensor | None] | None = None,
                 layout: np.ndarray | None = None) -> np.ndarray:
     """Coordinates each block can move (a mask leaves only its True entries); per tensor without a layout."""
-    sizes = np.asarray([int(m.sum()) if masks is not None and m is not None else t.numel()
+    sizes = np.asarray([int(m.count_nonzero()) if masks is not None and m is not None else t.numel()
                         for t, m in zip(tensors, masks if masks is not None else [None] * len(tensors), strict=True)],
                        dtype=np.float64)
     return sizes if layout is None else np.bincount(layout, weights=sizes)

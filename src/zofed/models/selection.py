@@ -46,6 +46,8 @@ class TrainableParams:
 
     names: list[str]
     params: list[torch.nn.Parameter]
+    # Per-coordinate noise weights per tensor: a bool mask selects coordinates (trainable.mode magnitude); floats
+    # also shape the noise (zo.precondition features); None: every coordinate, flat noise.
     masks: list[torch.Tensor | None] | None = None
 
     def tensors(self) -> list[torch.Tensor]:
@@ -55,7 +57,8 @@ class TrainableParams:
     def numel(self) -> int:
         if self.masks is None:
             return sum(p.numel() for p in self.params)
-        return sum(int(m.sum()) if m is not None else p.numel() for p, m in zip(self.params, self.masks, strict=True))
+        return sum(int(m.count_nonzero()) if m is not None else p.numel()
+                   for p, m in zip(self.params, self.masks, strict=True))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: p.detach().clone() for name, p in zip(self.names, self.params, strict=True)}

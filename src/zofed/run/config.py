@@ -88,6 +88,9 @@ class ZOSection(_Section):
     # Run the frozen blocks below the first trainable one once per batch, and only the blocks above for each
     # perturbed pass (zo/prefix.py): a step then costs (1 - f) + 2 q f forward passes, f the share of blocks run.
     prefix_cache: bool = False
+    # features: each coordinate's noise scaled by 1 / RMS of the input feature it multiplies, measured once on
+    # random tokens through the starting model (zo/feature_scale.py); none: the same scale for every coordinate
+    precondition: Literal["none", "features"] = "none"
 
 
 class OptimizerSection(_Section):

@@ -23,6 +23,7 @@ from zofed.models.registry import load_model
 from zofed.models.selection import TrainableParams, select_trainable
 from zofed.run.checkpoint import find_checkpoint, load_checkpoint
 from zofed.run.config import ConfigError, FinetuneConfig
+from zofed.zo.feature_scale import combine, feature_noise_scales
 from zofed.zo.prefix import PrefixCache, first_trainable_layer
 
 
@@ -122,8 +123,10 @@ def build(config: FinetuneConfig) -> Setup:
     place_model(model, trainable.params, device, DTYPES[config.model.dtype])
     if trainable.masks is not None:
         trainable.masks = [None if m is None else m.to(device) for m in trainable.masks]
-    task.device = device
     model.eval()
+    if config.zo.precondition == "features":  # measured on the starting model, before any checkpoint is loaded
+        trainable.masks = combine(trainable.masks, feature_noise_scales(model, trainable.names, trainable.params))
+    task.device = device
     return Setup(config, model, trainable, task, task.encode(train), task.encode(test), train.label_names, train,
                  prefix_cache(config, model, trainable))
 

@@ -185,7 +185,7 @@ class SparseMeZO(MeZO):
             state.buffers["mask"] = magnitude_masks(tensors, self.density)
         masks = state.buffers["mask"]
         if base.masks is not None:  # combine with a static selection mask
-            masks = [m if b is None else m & b for m, b in zip(masks, base.masks, strict=True)]
+            masks = [m if b is None else b * m for m, b in zip(masks, base.masks, strict=True)]
         return replace(base, masks=masks)
 
 

@@ -4,7 +4,8 @@ A perturbation of tensor i for seed s is `u_i = scale_i * p_i * mask_i * (z_i(s)
   - `z_i(s)` is seeded noise (see noise.py), regenerated, never stored;
   - `scale_i` is a per-tensor multiplier (personalized sampling shapes the distribution through it);
   - `p_i` optionally preconditions every coordinate (HiSo's global second moment);
-  - `mask_i` optionally restricts the perturbation to some coordinates (sparse perturbation);
+  - `mask_i` optionally restricts the perturbation to some coordinates (sparse perturbation), or as floats also
+    shapes it by a static per-coordinate scale (zo.precondition features: feature_scale.py);
   - `m_i` is an optional momentum buffer that tilts the direction (ZO-AdaMU-style shaping).
 Everything in it is either a seed or small explicit state, so whoever holds the same state can rebuild
 exactly the same directions.
@@ -25,7 +26,7 @@ from zofed.zo.noise import NoiseKind, NoiseSource, chunk_bounds
 class Perturbation:
     kind: NoiseKind = "rademacher"
     scales: Sequence[float] | None = None  # one per tensor; None means all ones
-    masks: Sequence[torch.Tensor | None] | None = None  # flat bool masks per tensor
+    masks: Sequence[torch.Tensor | None] | None = None  # flat per tensor: a bool mask, or float noise weights
     momentum: Sequence[torch.Tensor] | None = None  # flat buffers that tilt the direction
     momentum_weight: float = 0.0
     momentum_rms: Sequence[float] | None = None  # normalizes each momentum buffer to unit RMS

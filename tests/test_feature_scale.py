@@ -1,0 +1,82 @@
+"""zo.precondition=features: noise scaled by 1 / RMS of the feature each coordinate multiplies."""
+
+import torch
+from toy_federation import tiny_federated_config
+
+from zofed.models.selection import TrainableConfig, select_trainable
+from zofed.models.tiny import tiny_causal_lm
+from zofed.run.federated import run_federated
+from zofed.zo.feature_scale import CLIP, combine, feature_noise_scales
+from zofed.zo.noise import NoiseSource
+from zofed.zo.perturb import Perturbation
+
+MASSIVE = 5  # the hidden channel made massive
+
+
+def _model_with_a_massive_channel(patterns):
+    """A tiny Llama whose embeddings carry channel MASSIVE at 30 times the others' size, as LMs' massive
+    activations do; LoRA or gains trainable."""
+    model = tiny_causal_lm(num_layers=2).model
+    with torch.no_grad():
+        model.get_input_embeddings().weight[:, MASSIVE] *= 30
+    mode = {"mode": "lora", "lora_r": 2} if patterns is None else {"mode": "patterns", "patterns": patterns}
+    return select_trainable(model, TrainableConfig(**mode))
+
+
+def test_a_massive_feature_channel_gets_small_noise_and_every_tensor_keeps_unit_energy():
+    model, trainable = _model_with_a_massive_channel([r"layers\.0\.input_layernorm\.weight$",
+                                                      r"layers\.1\.mlp\.up_proj\.weight$"])
+    scales = feature_noise_scales(model, trainable.names, trainable.params)
+    gain, up = scales
+    assert gain.shape == (32,) and abs(float(gain.pow(2).mean()) - 1) < 1e-5
+    others = torch.cat([gain[:MASSIVE], gain[MASSIVE + 1:]])
+    assert float(gain[MASSIVE]) < 0.1 * float(others.median())  # the steep channel barely moves
+    assert float(gain.max() / gain.min()) <= CLIP[1] / CLIP[0] + 1e-4
+    # up_proj (out x 32) multiplies its block's normed hidden state: one scale per input column, in every row
+    rows = up.view(-1, 32)
+    assert torch.equal(rows, rows[0].expand_as(rows)) and abs(float(up.pow(2).mean()) - 1) < 1e-5
+    again = feature_noise_scales(model, trainable.names, trainable.params)
+    assert all(torch.equal(a, b) for a, b in zip(scales, again, strict=True))  # no data, no randomness left
+
+
+def test_lora_factors_are_shaped_by_their_inputs_and_a_selection_mask_is_kept():
+    model, trainable = _model_with_a_massive_channel(None)
+    scales = feature_noise_scales(model, trainable.names, trainable.params)
+    by_name = dict(zip(trainable.names, scales, strict=True))
+    a = next(v for n, v in by_name.items() if "lora_A" in n)
+    assert a.view(2, 32)[:, MASSIVE].max() < 0.2 * a.view(2, 32).median()  # A reads the hidden state
+    assert all(v is not None for v in scales)  # B is a linear layer too: shaped by A's outputs
+    mask = [torch.arange(t.numel()) % 2 == 0 for t in trainable.params]
+    weights = combine(mask, scales)
+    assert all(int(w.count_nonzero()) == int(m.sum()) for w, m in zip(weights, mask, strict=True))
+    assert torch.equal(weights[0], mask[0] * scales[0])
+    assert combine(None, [None, None]) is None
+
+
+def test_shaped_noise_is_the_flat_noise_times_the_weights():
+    source = NoiseSource("rademacher")
+    weights = torch.linspace(0.1, 2.0, 10)
+    flat = Perturbation().direction(source, 7, 0, 0, 10, 1.0).clone()
+    shaped = Perturbation(masks=[weights]).direction(source, 7, 0, 0, 10, 1.0)
+    assert torch.allclose(shaped, flat * weights)
+
+
+def test_a_federated_run_with_shaped_noise_rebuilds_and_resumes_exactly(tiny_workspace, tmp_path):
+    """The shape is measured again on the starting model when a run resumes: the resumed run ends where an
+    uninterrupted one does, and it differs from a run with flat noise."""
+    def run(out, rounds, *extra):
+        return run_federated(tiny_federated_config(tiny_workspace, out, "federation.method=zofed",
+                                                   f"federation.rounds={rounds}", *extra), resume=True,
+                             show_progress=False)
+
+    whole = run(tmp_path / "whole", 2, "zo.precondition=features")
+    run(tmp_path / "split", 1, "zo.precondition=features")
+    resumed = run(tmp_path / "split", 2, "zo.precondition=features")
+    flat = run(tmp_path / "flat", 2)
+    from safetensors.torch import load_file
+
+    final = {name: load_file(str(tmp_path / name / "final" / "trainable.safetensors"))
+             for name in ("whole", "split", "flat")}
+    assert all(torch.equal(final["whole"][k], final["split"][k]) for k in final["whole"])
+    assert any(not torch.equal(final["whole"][k], final["flat"][k]) for k in final["whole"])
+    assert whole["test"] == resumed["test"] and whole["rejected_uplinks"] == flat["rejected_uplinks"] == 0
