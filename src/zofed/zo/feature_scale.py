@@ -3,9 +3,10 @@
 A coordinate of a norm gain or a linear weight acts on one input feature, so its gradient scales with that
 feature's size. Decoder LMs carry a few "massive" feature channels (in SmolLM2-135M's top blocks, 2 of 576 with
 an RMS of 14-18 against a median of 0.57), and on AG News they hold 80-97% of the squared gradient in six of
-the nine top-4 gain tensors. Isotropic noise then spends each step's one scalar on those few steep coordinates, and every other
-coordinate's update is mostly noise. Drawing coordinate j's noise with scale 1 / rms(feature j) (a diagonal
-Gauss-Newton preconditioner: the estimate's mean becomes P^2 g) lets the steps see the rest.
+the nine top-4 gain tensors. Isotropic noise then spends each step's one scalar on those few steep
+coordinates, and every other coordinate's update is mostly noise. Drawing coordinate j's noise with scale
+1 / rms(feature j) (a diagonal Gauss-Newton preconditioner: the estimate's mean becomes P^2 g) lets the steps
+see the rest.
 
 The feature sizes are measured once, on random token sequences through the starting model: the massive channels
 are a property of the model, not of the data (the same channels, and log-RMS correlations of about 0.8 with
