@@ -81,6 +81,8 @@ def load_splits(config: FinetuneConfig) -> tuple[TextDataset, TextDataset]:
         train = load_dataset_spec(data.source, **options)
         if data.test_source:
             test = load_dataset_spec(data.test_source, **options)
+        elif data.heldout_column:  # the held-out task below is the test set
+            test = train
         else:  # no test file given: hold out a seeded fifth of the training file
             train, test = train.train_test_split(0.2, seed)
     if data.heldout_column:
