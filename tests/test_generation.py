@@ -339,6 +339,10 @@ def test_a_held_out_category_becomes_the_test_task(tiny_workspace, tmp_path):
                                                  "data.heldout_values=[creative]"]))
     assert [f["category"] for f in test.fields] == ["creative"] * 4 and len(test) == 4
     assert len(train) == 8 and "creative" not in {f["category"] for f in train.fields}
+    no_file = [o for o in base if not o.startswith("data.test_source")]  # no fifth is split off for testing
+    train, test = load_splits(load_config(None, [*no_file, "data.heldout_column=category",
+                                                 "data.heldout_values=[creative]"]))
+    assert (len(train), len(test)) == (8, 4)
     with pytest.raises(ConfigError, match=r"\['poetry'\] not among .*'category' values \['creative', 'qa', "):
         load_splits(load_config(None, [*base, "data.heldout_column=category", "data.heldout_values=[poetry]"]))
     with pytest.raises(ConfigError, match="nothing is left to train on"):
