@@ -76,6 +76,7 @@ ROWS: dict[str, tuple[str, bool]] = {
     "zofed-beta1-0.5": ("zofed", True),  # a server momentum that forgets in 2 rounds, not 10
     "zofed-beta1-ramp": ("zofed", True),  # server beta1 rising from 0.5 to 0.9 over the run
     "zofed-features": ("zofed", True),  # noise scaled by 1 / RMS of each coordinate's input feature
+    "zofed-forward": ("zofed", True),  # one-sided queries around a shared centre pass: q + 1 passes, not 2 q
     "hiso": ("hiso", False),
     "fedkseed": ("fedkseed", False),
     "decomfl": ("decomfl", False),
@@ -94,7 +95,7 @@ ROW_OPTIONS = {"zofed-shared": ["federation.sampling.shared_seeds=true"], "zofed
                "zofed-cosine-tensor": [TENSORWISE, "federation.server_optimizer.decay=cosine"],
                "zofed-beta1-0.5": ["federation.server_optimizer.beta1=0.5"],
                "zofed-beta1-ramp": ["federation.server_optimizer.beta1_start=0.5"],
-               "zofed-features": ["zo.precondition=features"]}
+               "zofed-features": ["zo.precondition=features"], "zofed-forward": ["zo.estimator=forward"]}
 
 
 def row_overrides(row: str, trainable: str) -> tuple[list[str], float]:
@@ -123,7 +124,9 @@ def per_client_round_cost(row: str, trainable: str) -> float:
     """Forward-pass equivalents one client spends in a round of this row, as its method counts them."""
     overrides, fraction = row_overrides(row, trainable)
     queries = next((int(o.split("=")[1]) for o in overrides if o.startswith("zo.queries=")), 1)
-    local = LocalTraining(ROWS[row][0], 0, 0, LOCAL_STEPS, 1.0, 1e-3, queries=queries, pass_fraction=fraction)
+    estimator = next((o.split("=")[1] for o in overrides if o.startswith("zo.estimator=")), "central")
+    local = LocalTraining(ROWS[row][0], 0, 0, LOCAL_STEPS, 1.0, 1e-3, queries=queries, pass_fraction=fraction,
+                          estimator=estimator)
     return get_method(ROWS[row][0]).forward_passes(local)
 
 
