@@ -240,10 +240,20 @@ def summary_lines(rows: list[dict]) -> list[str]:
         for name, rs in by_row.items():
             acc = np.array([r["final_accuracy"] for r in rs])
             end = np.mean([r["curve"][-1][3] for r in rs])
-            lines.append(f"| {name} | {len(rs)} | {acc.mean():.4f} ± {acc.std():.4f} | {end:.4f} | {rs[0]['rounds']} "
+            spread = f"{acc.std(ddof=1):.4f}" if len(acc) > 1 else "n/a"  # the sample standard deviation
+            lines.append(f"| {name} | {len(rs)} | {acc.mean():.4f} ± {spread} | {end:.4f} | {rs[0]['rounds']} "
                          f"| {rs[0]['forward_passes']:,.0f} | {rs[0]['bytes_up_per_client_round']:,.0f} |")
         baselines = {n: rs for n, rs in by_row.items() if ROWS[n][0] != "zofed" and not ROWS[n][1]
                      and not get_method(ROWS[n][0]).first_order}  # published ZO algorithms, without the lever
+        if baselines and "zofed" in by_row:
+            # a baseline is compared once it has every seed zofed has, and on those seeds only
+            zofed_seeds = {r["seed"] for r in by_row["zofed"]}
+            baselines = {n: [r for r in rs if r["seed"] in zofed_seeds] for n, rs in baselines.items()}
+            partial = sorted(n for n, rs in baselines.items() if len(rs) < len(zofed_seeds))
+            if partial:
+                lines += ["", "Not compared yet, fewer seeds than zofed's " + str(len(zofed_seeds)) + ": "
+                          + ", ".join(f"{n} ({len(baselines[n])})" for n in partial) + "."]
+            baselines = {n: rs for n, rs in baselines.items() if n not in partial}
         if baselines and "zofed" in by_row:
             best = max(baselines, key=lambda n: np.mean([r["curve"][-1][3] for r in baselines[n]]))
             target = float(np.mean([r["curve"][-1][3] for r in baselines[best]]))
