@@ -243,36 +243,64 @@ def summary_lines(rows: list[dict]) -> list[str]:
             spread = f"{acc.std(ddof=1):.4f}" if len(acc) > 1 else "n/a"  # the sample standard deviation
             lines.append(f"| {name} | {len(rs)} | {acc.mean():.4f} ± {spread} | {end:.4f} | {rs[0]['rounds']} "
                          f"| {rs[0]['forward_passes']:,.0f} | {rs[0]['bytes_up_per_client_round']:,.0f} |")
-        baselines = {n: rs for n, rs in by_row.items() if ROWS[n][0] != "zofed" and not ROWS[n][1]
-                     and not get_method(ROWS[n][0]).first_order}  # published ZO algorithms, without the lever
-        if baselines and "zofed" in by_row:
-            # a baseline is compared once it has every seed zofed has, and on those seeds only
-            zofed_seeds = {r["seed"] for r in by_row["zofed"]}
-            baselines = {n: [r for r in rs if r["seed"] in zofed_seeds] for n, rs in baselines.items()}
-            partial = sorted(n for n, rs in baselines.items() if len(rs) < len(zofed_seeds))
-            if partial:
-                lines += ["", "Not compared yet, fewer seeds than zofed's " + str(len(zofed_seeds)) + ": "
-                          + ", ".join(f"{n} ({len(baselines[n])})" for n in partial) + "."]
-            baselines = {n: rs for n, rs in baselines.items() if n not in partial}
-        if baselines and "zofed" in by_row:
-            best = max(baselines, key=lambda n: np.mean([r["curve"][-1][3] for r in baselines[n]]))
-            target = float(np.mean([r["curve"][-1][3] for r in baselines[best]]))
-            lines += ["", f"The best ZO baseline here is {best} (subset accuracy {target:.4f} at the end of its "
-                          "budget). Compute each row needs to reach it, mean over its seeds that reach it:", ""]
-            for name, rs in by_row.items():
-                hits = [reached(r["curve"], target) for r in rs]
-                got = [h for h in hits if h is not None]
-                lines.append(f"- {name}: " + (f"{np.mean(got):,.0f} forward passes ({len(got)} of {len(rs)} seeds)"
-                                              if got else f"not reached by any of {len(rs)} seeds"))
-            mine = {r["seed"]: r["final_accuracy"] for r in by_row["zofed"]}
-            theirs = {r["seed"]: r["final_accuracy"] for r in baselines[best]}
-            seeds = sorted(mine.keys() & theirs.keys())
-            if len(seeds) >= 2:
-                diff = np.array([mine[s] - theirs[s] for s in seeds]) * 100
-                se = diff.std(ddof=1) / np.sqrt(len(diff))
-                lines.append(f"- zofed minus {best}, paired over seeds {seeds}: {diff.mean():+.2f} points "
-                             f"(standard error {se:.2f})")
+        lines += comparison_lines(by_row)
         lines.append("")
+    return lines
+
+
+def comparison_lines(by_row: dict[str, list[dict]]) -> list[str]:
+    """zofed against the best ZO baseline of one setting, and the learning-speed issue's targets, from the rows."""
+    if "zofed" not in by_row:
+        return []
+    baselines = {n: rs for n, rs in by_row.items() if ROWS[n][0] != "zofed" and not ROWS[n][1]
+                 and not get_method(ROWS[n][0]).first_order}  # published ZO algorithms, without the lever
+    # a baseline is compared once it has every seed zofed has, and on those seeds only
+    zofed_seeds = {r["seed"] for r in by_row["zofed"]}
+    baselines = {n: [r for r in rs if r["seed"] in zofed_seeds] for n, rs in baselines.items()}
+    lines = []
+    partial = sorted(n for n, rs in baselines.items() if len(rs) < len(zofed_seeds))
+    if partial:
+        lines += ["", f"Not compared yet, fewer seeds than zofed's {len(zofed_seeds)}: "
+                  + ", ".join(f"{n} ({len(baselines[n])})" for n in partial) + "."]
+    baselines = {n: rs for n, rs in baselines.items() if n not in partial}
+    if not baselines:
+        return lines
+    best = max(baselines, key=lambda n: np.mean([r["curve"][-1][3] for r in baselines[n]]))
+    target = float(np.mean([r["curve"][-1][3] for r in baselines[best]]))
+    lines += ["", f"The best ZO baseline here is {best} (subset accuracy {target:.4f} at the end of its "
+                  "budget). Compute each row needs to reach it, mean over its seeds that reach it:", ""]
+    for name, rs in by_row.items():
+        got = [h for h in (reached(r["curve"], target) for r in rs) if h is not None]
+        lines.append(f"- {name}: " + (f"{np.mean(got):,.0f} forward passes ({len(got)} of {len(rs)} seeds)"
+                                      if got else f"not reached by any of {len(rs)} seeds"))
+    mine = {r["seed"]: r for r in by_row["zofed"]}
+    theirs = {r["seed"]: r for r in baselines[best]}
+    seeds = sorted(mine.keys() & theirs.keys())
+    lines += ["", "Targets (the learning-speed issue, from these rows):", ""]
+    hits = [reached(mine[s]["curve"], target) for s in seeds]
+    spent = float(np.mean([theirs[s]["forward_passes"] for s in seeds]))
+    if all(h is not None for h in hits):
+        share = float(np.mean(hits)) / spent
+        lines.append(f"- Half the compute: zofed reaches {best}'s final subset accuracy at {share:.2f} of {best}'s "
+                     f"{spent:,.0f} passes on average: " + ("met" if share <= 0.5 else f"missed by {share - 0.5:.2f}"))
+    else:
+        lines.append(f"- Half the compute: missed, {sum(h is None for h in hits)} of zofed's {len(hits)} seeds never "
+                     f"reach {best}'s final subset accuracy")
+    if len(seeds) >= 2:
+        diff = np.array([mine[s]["final_accuracy"] - theirs[s]["final_accuracy"] for s in seeds]) * 100
+        se = diff.std(ddof=1) / np.sqrt(len(diff))
+        verdict = "met" if diff.mean() >= 2 and diff.mean() >= 2 * se else "missed"
+        lines.append(f"- zofed minus {best}, paired over seeds {seeds}: {diff.mean():+.2f} points (standard error "
+                     f"{se:.2f}); at least +2 points and two standard errors: {verdict}")
+    fedavg = [r for r in by_row.get("fedavg-lora", []) if r["seed"] in zofed_seeds]
+    if len(fedavg) == len(zofed_seeds):
+        gap = 100 * (np.mean([r["final_accuracy"] for r in fedavg])
+                     - np.mean([r["final_accuracy"] for r in mine.values()]))
+        lines.append(f"- FedAvg with LoRA leads zofed by {gap:+.2f} points; within 3 points: "
+                     + ("met" if gap <= 3 else "missed"))
+    up = float(np.mean([r["bytes_up_per_client_round"] for r in mine.values()]))
+    lines.append(f"- zofed's uplink: {up:,.0f} bytes per client and round; at most 1 KB: "
+                 + ("met" if up <= 1024 else "missed"))
     return lines
 
 

@@ -21,3 +21,27 @@ def test_rows_are_charged_their_own_passes_and_spend_at_most_the_budget():
         round_cost = ranking.PER_ROUND * ranking.per_client_round_cost(row, "top4")
         spent = ranking.rounds_for(row, "top4", 1000) * round_cost
         assert 1000 - round_cost < spent <= 1000, row
+
+
+def _row(row: str, seed: int, final: float, curve: list[tuple[float, float]], up: float = 200.0) -> dict:
+    return {"row": row, "seed": seed, "final_accuracy": final, "forward_passes": 1000.0,
+            "bytes_up_per_client_round": up, "curve": [[p, 0.0, i, a] for i, (p, a) in enumerate(curve)]}
+
+
+def test_the_targets_are_judged_from_the_rows():
+    fast = [(0, 0.6), (400, 0.76), (1000, 0.80)]  # reaches the baseline's end (0.75) at 400 of its 1,000 passes
+    slow = [(0, 0.6), (500, 0.70), (1000, 0.75)]
+    by_row = {"zofed": [_row("zofed", s, f, fast) for s, f in enumerate([0.80, 0.81, 0.79])],
+              "decomfl": [_row("decomfl", s, f, slow) for s, f in enumerate([0.76, 0.76, 0.77])],
+              "hiso": [_row("hiso", 0, 0.90, [(0, 0.6), (1000, 0.95)])],
+              "fedavg-lora": [_row("fedavg-lora", s, 0.85, slow, up=1.8e6) for s in range(3)]}
+    text = "\n".join(ranking.comparison_lines(by_row))
+    assert "Not compared yet, fewer seeds than zofed's 3: hiso (1)." in text  # its one high seed is not the bar
+    assert "best ZO baseline here is decomfl (subset accuracy 0.7500" in text
+    assert "Half the compute: zofed reaches decomfl's final subset accuracy at 0.40 of decomfl's 1,000 passes " \
+           "on average: met" in text
+    assert "+3.67 points (standard error 0.88); at least +2 points and two standard errors: met" in text
+    assert "FedAvg with LoRA leads zofed by +5.00 points; within 3 points: missed" in text
+    assert "uplink: 200 bytes per client and round; at most 1 KB: met" in text
+    by_row["zofed"][1]["curve"] = [[0, 0.0, 0, 0.6], [1000, 0.0, 1, 0.74]]  # one seed never gets there
+    assert "Half the compute: missed, 1 of zofed's 3 seeds never reach" in "\n".join(ranking.comparison_lines(by_row))
