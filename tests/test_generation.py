@@ -228,6 +228,11 @@ def test_evaluate_scores_the_first_generate_eval_examples(centralized_run):
     for i, prediction in zip(watched, [*predictions[:3], "zzz"], strict=True):
         data.references[i] = prediction
     assert task.evaluate(setup.model, data, 4, watched)["rougeL"] == 1.0
+    seen = []  # what a run's progress bar is told: answers done after each batch, of how many
+    task.on_generated = lambda done, total: seen.append((done, total))
+    task.evaluate(setup.model, data, 2, watched)
+    assert seen == [(2, 3), (3, 3)]
+    task.on_generated = None
     # A curve point answers at most task.curve_max_new_tokens; the final test keeps task.max_new_tokens.
     short = task.generate(setup.model, [data.prompt_ids[i] for i in watched[:3]], max_new_tokens=1)
     assert all(len(p.split()) <= 1 for p in short) and any(len(p.split()) > 1 for p in predictions[:3])

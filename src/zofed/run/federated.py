@@ -125,7 +125,8 @@ class FederatedRun:
 
     @contextmanager
     def progress(self, console: Console, show: bool) -> Iterator[Callable[[dict], None]]:
-        """A progress bar over the rounds; yields the `on_round(record)` that writes and shows each round."""
+        """A progress bar over the rounds; yields the `on_round(record)` that writes and shows each round. While it
+        is open, a generative task's evaluations show their answers so far on it."""
         columns = [TextColumn("[bold]federated rounds"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                    TextColumn("{task.fields[status]}")]
         with Progress(*columns, console=console, disable=not show) as progress:
@@ -145,7 +146,17 @@ class FederatedRun:
                     shown += f" | rejected {len(record['rejected'])}"
                 progress.update(bar, advance=1, status=shown)
 
-            yield on_round
+            def on_generated(done: int, total: int) -> None:
+                progress.update(bar, status=f"evaluating: {done}/{total} answers generated")
+
+            task = self.setup.task
+            if hasattr(task, "on_generated"):  # a generative task tells how far its answers are
+                task.on_generated = on_generated
+            try:
+                yield on_round
+            finally:
+                if hasattr(task, "on_generated"):
+                    task.on_generated = None
 
     def finish(self, seconds: float, **extra: Any) -> dict[str, Any]:
         """Save the final tensors (the model must hold the global ones), test, and write results.json."""
@@ -238,4 +249,4 @@ def run_federated(config: FederatedConfig, *, resume: bool = False, show_progres
     with run.progress(console, show_progress) as on_round:
         simulate(run.client_context(), [s.train for s in run.splits], run.server, config.federation.rounds,
                  start_round=run.start_round, evaluate=run.evaluate, on_round=on_round, on_checkpoint=run.checkpoint)
-    return run.finish(time.perf_counter() - t0)
+        return run.finish(time.perf_counter() - t0)  # on the bar: the final test may generate for minutes

@@ -84,8 +84,11 @@ def finetune(config: FinetuneConfig, *, resume: bool = False, show_progress: boo
 
     t0 = time.perf_counter()
     with progress:
-        last_eval = evaluate(start) if start == 0 else {}
         bar = progress.add_task("steps", total=steps, completed=start, status="")
+        if hasattr(setup.task, "on_generated"):  # a generative task's evaluations show their answers so far
+            setup.task.on_generated = lambda done, total: progress.update(
+                bar, status=f"evaluating: {done}/{total} answers generated")
+        last_eval = evaluate(start) if start == 0 else {}
         for step in range(start, steps):
             batch = setup.task.collate(setup.train, batch_indices(config, step, len(setup.train)))
             lr = learning_rate(step, config.optimizer.lr, config.optimizer.schedule, steps, config.optimizer.warmup)
@@ -104,10 +107,14 @@ def finetune(config: FinetuneConfig, *, resume: bool = False, show_progress: boo
                 _checkpoint(out, setup, opt_state, step + 1)
             status = " ".join(f"{k} {v:.3f}" for k, v in last_eval.items())
             progress.update(bar, advance=1, status=f"loss {record.loss:.3f} | eval {status}")
-    train_seconds = time.perf_counter() - t0
-    evals = [r for r in metrics.read() if r["event"] == "eval"]
-    curve = {"first": evals[0], "last": evals[-1]} if evals else {}
-    return finish(setup, out, train_seconds=train_seconds, forward_passes=forward_passes, eval_curve=curve)
+        train_seconds = time.perf_counter() - t0
+        evals = [r for r in metrics.read() if r["event"] == "eval"]
+        curve = {"first": evals[0], "last": evals[-1]} if evals else {}
+        try:  # on the bar: the final test may generate for minutes
+            return finish(setup, out, train_seconds=train_seconds, forward_passes=forward_passes, eval_curve=curve)
+        finally:
+            if hasattr(setup.task, "on_generated"):
+                setup.task.on_generated = None
 
 
 def finish(setup: Setup, out: Path, **extra: Any) -> dict[str, Any]:
