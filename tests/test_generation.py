@@ -357,3 +357,16 @@ def test_a_held_out_category_becomes_the_test_task(tiny_workspace, tmp_path):
         load_splits(load_config(None, [*base, "data.heldout_column=topic", "data.heldout_values=[qa]"]))
     with pytest.raises(ConfigError, match="needs both data.heldout_column"):
         load_config(None, [*base, "data.heldout_column=category"])
+
+
+def test_showing_generation_reports_answers_while_open_and_then_lets_go():
+    from zofed.data.generation import showing_generation
+
+    task = make_task(TaskConfig(type="causal-lm", generate_eval=2), tiny_tokenizer(), None)
+    shown = []
+    with showing_generation(task, shown.append):
+        task.on_generated(1, 2)
+    assert shown == ["evaluating: 1/2 answers generated"] and task.on_generated is None
+    classification = make_task(TaskConfig(verbalizer=["good", "bad"]), tiny_tokenizer(), 2)
+    with showing_generation(classification, shown.append):  # nothing to report, nothing set
+        assert not hasattr(classification, "on_generated")

@@ -88,6 +88,20 @@ def progress_bar(total: int, description: str = "generating", show: bool = True)
         yield lambda done: bar.update(task, completed=done)
 
 
+@contextmanager
+def showing_generation(task, show: Callable[[str], None]) -> Iterator[None]:
+    """While open, a generative task's evaluations (a task with `on_generated`) report the answers they have
+    generated so far through `show`, e.g. a run's progress bar; other tasks are left alone."""
+    if not hasattr(task, "on_generated"):
+        yield
+        return
+    task.on_generated = lambda done, total: show(f"evaluating: {done}/{total} answers generated")
+    try:
+        yield
+    finally:
+        task.on_generated = None
+
+
 @lru_cache(maxsize=1)
 def _scorer():
     # Imported here: rouge-score pulls in nltk and absl, which only generation-based evaluation needs.

@@ -25,6 +25,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from zofed.data.generation import showing_generation
 from zofed.data.partition import ClientSplit, client_splits, format_summary, plot_partition, summarize
 from zofed.fl.aggregate import make_aggregator
 from zofed.fl.client import ClientContext
@@ -146,17 +147,8 @@ class FederatedRun:
                     shown += f" | rejected {len(record['rejected'])}"
                 progress.update(bar, advance=1, status=shown)
 
-            def on_generated(done: int, total: int) -> None:
-                progress.update(bar, status=f"evaluating: {done}/{total} answers generated")
-
-            task = self.setup.task
-            if hasattr(task, "on_generated"):  # a generative task tells how far its answers are
-                task.on_generated = on_generated
-            try:
+            with showing_generation(self.setup.task, lambda status: progress.update(bar, status=status)):
                 yield on_round
-            finally:
-                if hasattr(task, "on_generated"):
-                    task.on_generated = None
 
     def finish(self, seconds: float, **extra: Any) -> dict[str, Any]:
         """Save the final tensors (the model must hold the global ones), test, and write results.json."""

@@ -15,6 +15,7 @@ import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from zofed import streams
+from zofed.data.generation import showing_generation
 from zofed.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, write_atomic_text
 from zofed.run.config import ConfigError, FederatedConfig, FinetuneConfig, check_resumed_config, dump_config
 from zofed.run.metrics import MetricsLog
@@ -83,11 +84,9 @@ def finetune(config: FinetuneConfig, *, resume: bool = False, show_progress: boo
         return result
 
     t0 = time.perf_counter()
-    with progress:
+    # the lambda reads `bar` when an evaluation generates, after it is made
+    with progress, showing_generation(setup.task, lambda status: progress.update(bar, status=status)):
         bar = progress.add_task("steps", total=steps, completed=start, status="")
-        if hasattr(setup.task, "on_generated"):  # a generative task's evaluations show their answers so far
-            setup.task.on_generated = lambda done, total: progress.update(
-                bar, status=f"evaluating: {done}/{total} answers generated")
         last_eval = evaluate(start) if start == 0 else {}
         for step in range(start, steps):
             batch = setup.task.collate(setup.train, batch_indices(config, step, len(setup.train)))
@@ -110,11 +109,8 @@ def finetune(config: FinetuneConfig, *, resume: bool = False, show_progress: boo
         train_seconds = time.perf_counter() - t0
         evals = [r for r in metrics.read() if r["event"] == "eval"]
         curve = {"first": evals[0], "last": evals[-1]} if evals else {}
-        try:  # on the bar: the final test may generate for minutes
-            return finish(setup, out, train_seconds=train_seconds, forward_passes=forward_passes, eval_curve=curve)
-        finally:
-            if hasattr(setup.task, "on_generated"):
-                setup.task.on_generated = None
+        # on the bar: the final test may generate for minutes
+        return finish(setup, out, train_seconds=train_seconds, forward_passes=forward_passes, eval_curve=curve)
 
 
 def finish(setup: Setup, out: Path, **extra: Any) -> dict[str, Any]:
