@@ -54,7 +54,7 @@ from row_pool import record_rows, run_rows
 
 from zofed.data.builtin import shared_data_dir
 from zofed.fl.methods import get_method
-from zofed.fl.plan import LocalTraining
+from zofed.fl.plan import FederationPlan
 from zofed.run.checkpoint import find_checkpoint, write_atomic_text
 from zofed.run.config import FederatedConfig, load_config
 from zofed.run.federated import run_federated
@@ -65,6 +65,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "runs" / "bench" / "instruction"
 DATA = "dolly-alpaca-10clients"
 PER_ROUND, LOCAL_STEPS, BATCH, MAX_LENGTH, CURVE_EXAMPLES, TEST_SIZE = 3, 4, 4, 256, 40, 160
+CLIENTS = 9  # the natural split: one client per training file
 ZERO_SHOT = "zero-shot"
 # row -> federation.method (None: no training)
 ROWS: dict[str, str | None] = {ZERO_SHOT: None, "zofed": "zofed", "zo-seeds": "zo-seeds", "fedkseed": "fedkseed",
@@ -88,7 +89,9 @@ def per_client_round_cost(row: str) -> float:
     method = ROWS[row]
     if method is None:
         return 0.0
-    return get_method(method).forward_passes(LocalTraining(method, 0, 0, LOCAL_STEPS, 1.0, 1e-3, batch_size=BATCH))
+    config = load_config(None, [*COMMON, *METHOD_OPTIONS.get(method, []), f"federation.method={method}"],
+                         schema=FederatedConfig)
+    return get_method(method).forward_passes(FederationPlan.from_config(config, CLIENTS).round(0))
 
 
 def rounds_for(row: str, budget: float) -> int:

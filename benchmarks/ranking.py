@@ -42,7 +42,7 @@ from row_pool import record_rows, run_rows
 
 from zofed.data.builtin import shared_data_dir
 from zofed.fl.methods import get_method
-from zofed.fl.plan import LocalTraining
+from zofed.fl.plan import FederationPlan
 from zofed.run.checkpoint import find_checkpoint, write_atomic_text
 from zofed.run.config import FederatedConfig, load_config
 from zofed.run.federated import run_federated
@@ -123,11 +123,9 @@ COMMON = ["model.name=smollm2-135m", "optimizer.name=mezo", "zo.eps=1e-3", f"tra
 def per_client_round_cost(row: str, trainable: str) -> float:
     """Forward-pass equivalents one client spends in a round of this row, as its method counts them."""
     overrides, fraction = row_overrides(row, trainable)
-    queries = next((int(o.split("=")[1]) for o in overrides if o.startswith("zo.queries=")), 1)
-    estimator = next((o.split("=")[1] for o in overrides if o.startswith("zo.estimator=")), "central")
-    local = LocalTraining(ROWS[row][0], 0, 0, LOCAL_STEPS, 1.0, 1e-3, queries=queries, pass_fraction=fraction,
-                          estimator=estimator)
-    return get_method(ROWS[row][0]).forward_passes(local)
+    config = load_config(None, [*COMMON, *overrides, f"federation.method={ROWS[row][0]}"], schema=FederatedConfig)
+    plan = FederationPlan.from_config(config, CLIENTS, fraction)  # the plan a run of this row follows
+    return get_method(ROWS[row][0]).forward_passes(plan.round(0))
 
 
 def rounds_for(row: str, trainable: str, budget: float) -> int:
