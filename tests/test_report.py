@@ -20,6 +20,7 @@ def test_report_of_a_run_without_client_test_examples(tiny_workspace, tmp_path):
     assert results["client_accuracies"] == [] and results["client_accuracy_mean"] is None
     result = CliRunner().invoke(app, ["report", str(bare), str(full), "--out", str(tmp_path / "report")])
     assert result.exit_code == 0, result.output
+    assert "![accuracy, bytes, client spread](report.png)" in result.output  # printed as written, not as markup
     assert (tmp_path / "report" / "report.png").read_bytes()[:4] == b"\x89PNG"
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
             for line in (tmp_path / "report" / "report.md").read_text().splitlines() if line.startswith("| ")}

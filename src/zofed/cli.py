@@ -189,7 +189,7 @@ def report(
         png, md = write_report(run_dirs, out)
     except _user_errors() as err:
         _fail(str(err))
-    console.print(md.read_text())
+    console.print(md.read_text(), markup=False)  # the markdown's [alt text] is not rich markup
     console.print(f"wrote {png} and {md}")
 
 
