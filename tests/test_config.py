@@ -7,12 +7,10 @@ from zofed.run.config import (
     ConfigError,
     FederatedConfig,
     FinetuneConfig,
-    check_resumed_config,
-    dump_config,
     load_config,
     parse_overrides,
-    pinned,
 )
+from zofed.run.stored_config import check_resumed_config, dump_config, pinned
 
 
 def test_an_override_yaml_cannot_parse_is_its_plain_text():

@@ -11,9 +11,10 @@ from toy_federation import tiny_federated_config
 from typer.testing import CliRunner
 
 from zofed.cli import app
-from zofed.run.config import ConfigError, ServerOptimizerSection, dump_config
+from zofed.run.config import ConfigError, ServerOptimizerSection
 from zofed.run.federated import run_federated, worst_decile_mean
 from zofed.run.report import load_run_summary
+from zofed.run.stored_config import dump_config
 
 _config = tiny_federated_config
 

@@ -161,7 +161,7 @@ def test_cli_finetune_and_eval(tiny_workspace, tmp_path):
     out = tmp_path / "cli"
     cfg = _config(tiny_workspace, out, steps=5)
     path = tmp_path / "c.yaml"
-    from zofed.run.config import dump_config
+    from zofed.run.stored_config import dump_config
 
     dump_config(cfg, path)
     runner = CliRunner()

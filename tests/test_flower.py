@@ -29,8 +29,9 @@ from zofed.flower.config import (  # noqa: E402
 from zofed.flower.deploy import render_app_pyproject  # noqa: E402
 from zofed.flower.rounds import FederationError  # noqa: E402
 from zofed.flower.simulation import run_flower_simulation  # noqa: E402
-from zofed.run.config import ConfigError, dump_config  # noqa: E402
+from zofed.run.config import ConfigError  # noqa: E402
 from zofed.run.federated import run_federated  # noqa: E402
+from zofed.run.stored_config import dump_config  # noqa: E402
 
 
 def _config(ws, out, *extra):

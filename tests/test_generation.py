@@ -214,6 +214,23 @@ def test_a_centralized_causal_lm_run_reports_rouge_l(centralized_run):
     assert [r["step"] for r in evals] == [0, 1, 2] and all("eval_rougeL" in r for r in evals)
 
 
+def test_a_run_stores_the_prompt_format_auto_resolved_to_and_resumes_under_it(instructions, tmp_path):
+    import yaml
+
+    out = tmp_path / "run"
+    first = load_config(None, [*_overrides(instructions, out), "train.steps=1", "train.checkpoint_every=1"])
+    assert first.task.prompt_format == "auto"
+    finetune(first, show_progress=False)
+    stored = yaml.safe_load((out / "config.yaml").read_text())
+    assert stored["task"]["prompt_format"] == "template"  # the tiny tokenizer has no chat template
+    # Resuming with auto continues under the stored format; asking for another one names the change.
+    more = load_config(None, [*_overrides(instructions, out), "train.steps=2", "train.checkpoint_every=1"])
+    assert finetune(more, resume=True, show_progress=False)["steps"] == 2
+    chat = load_config(None, [*_overrides(instructions, out), "train.steps=3", "task.prompt_format=chat"])
+    with pytest.raises(ConfigError, match=r"task.prompt_format \('template' -> 'chat'\)"):
+        finetune(chat, resume=True, show_progress=False)
+
+
 def test_evaluate_scores_the_first_generate_eval_examples(centralized_run):
     from zofed.run.setup import load_run
 

@@ -20,7 +20,6 @@ from zofed.fl.aggregate import AGGREGATORS
 from zofed.fl.methods import get_method
 from zofed.fl.server_opt import SERVER_OPTIMIZERS, ServerOptimizer, make_server_optimizer
 from zofed.models.selection import TrainableConfig
-from zofed.run.checkpoint import write_atomic_text
 from zofed.zo.noise import NoiseKind
 from zofed.zo.optim import OPTIMIZER_NAMES, hyperparameters
 
@@ -369,79 +368,3 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         return schema.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(_format_validation(err, origin)) from None
-
-
-def pinned(config: FinetuneConfig) -> FinetuneConfig:
-    """The config with the server optimizer's method defaults written out (name, lr, granularity, relative), so
-    that a stored config says what ran even after a later zofed changes a method's default: resuming the run
-    then names the change instead of continuing under another optimizer."""
-    if not isinstance(config, FederatedConfig):
-        return config
-    fed = config.federation
-    settings = fed.server_optimizer.resolved(fed.method, fed.rounds)
-    explicit = {k: settings[k] for k in ("name", "lr", "granularity", "relative") if k in settings}
-    section = fed.server_optimizer.model_copy(update=explicit)
-    return config.model_copy(update={"federation": fed.model_copy(update={"server_optimizer": section})})
-
-
-def config_yaml(config: FinetuneConfig) -> str:
-    """The YAML a run stores beside its results: every key, with the method defaults pinned."""
-    return yaml.safe_dump(pinned(config).model_dump(mode="json"), sort_keys=False)
-
-
-def dump_config(config: FinetuneConfig, path: Path) -> None:
-    write_atomic_text(path, config_yaml(config))  # written whole or not at all
-
-
-# What a resumed run may change: where it lives, how long it goes on, and how it is evaluated (in batches, and
-# how many generations are scored)
-# (train.steps only under a constant lr schedule, federation.rounds only without a cosine server decay).
-RESUMABLE_CHANGES = frozenset({"out_dir", "train.steps", "federation.rounds", "train.eval_batch_size",
-                               "task.generate_eval", "task.max_new_tokens",
-                               "task.curve_max_new_tokens"})  # the last three only shape evaluation
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def _resolved_view(config: FinetuneConfig) -> dict[str, Any]:
-    """The config as flat keys, with the server optimizer as it will run: an unset field and the method default it
-    resolves to are the same run (a stored `relative: false` and a new unset one both mean sgd's absolute steps)."""
-    flat = _flatten(config.model_dump(mode="json"))
-    if isinstance(config, FederatedConfig):
-        prefix = "federation.server_optimizer."
-        flat = {k: v for k, v in flat.items() if not k.startswith(prefix)}
-        section, fed = config.federation.server_optimizer, config.federation
-        section.build(fed.method, fed.rounds)  # settings that do not go together fail here, naming the section
-        flat.update({prefix + k: v for k, v in section.resolved(fed.method, fed.rounds).items()})
-    return flat
-
-
-def check_resumed_config(config: FinetuneConfig, stored_path: Path) -> None:
-    """A resumed run must continue the run it finds: its stored config may differ only in RESUMABLE_CHANGES.
-    Anything else (another method, model, seed, learning rate) would mix two runs in one directory."""
-    if not stored_path.is_file():
-        raise ConfigError(f"{stored_path.parent} has a checkpoint but no config.yaml: cannot tell what run it holds")
-    stored = _resolved_view(load_config(stored_path, schema=type(config)))
-    new = _resolved_view(config)
-    changed = [f"{key} ({stored.get(key)!r} -> {new.get(key)!r})" for key in sorted(stored.keys() | new.keys())
-               if key not in RESUMABLE_CHANGES and stored.get(key) != new.get(key)]
-    if changed:
-        raise ConfigError(f"cannot resume {stored_path.parent}: its run was made with another config; "
-                          f"changed: {', '.join(changed)}")
-    schedule = config.optimizer.schedule
-    if not isinstance(config, FederatedConfig) and schedule != "constant" \
-            and stored["train.steps"] != new["train.steps"]:
-        # A linear or cosine lr spans train.steps: more (or fewer) steps would give the steps left another curve
-        # than the one the steps already taken followed, a run that no single config describes.
-        raise ConfigError(f"cannot resume {stored_path.parent} with train.steps={new['train.steps']}: its "
-                          f"optimizer.schedule={schedule} spans its train.steps={stored['train.steps']}; resume with "
-                          f"train.steps={stored['train.steps']}, or start a new run (a constant schedule can be "
-                          f"extended)")

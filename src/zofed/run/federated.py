@@ -33,9 +33,10 @@ from zofed.fl.methods import get_method
 from zofed.fl.plan import FEDERATED_OPTIMIZERS, FederationPlan
 from zofed.fl.roles import ServerRole
 from zofed.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, write_atomic_text
-from zofed.run.config import ConfigError, FederatedConfig, check_resumed_config, dump_config
+from zofed.run.config import ConfigError, FederatedConfig
 from zofed.run.metrics import CLIENT_LISTS, MetricsLog
 from zofed.run.setup import Setup, build, eval_indices, save_final
+from zofed.run.stored_config import check_resumed_config, dump_config, with_prompt_format
 from zofed.sim.engine import simulate
 
 
@@ -188,7 +189,7 @@ def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Conso
     if find_checkpoint(out / "checkpoint") is not None:
         if not resume:
             raise ConfigError(f"{out} already holds a run; pass --resume to continue it or choose another out_dir")
-        check_resumed_config(config, out / "config.yaml")
+        config = check_resumed_config(config, out / "config.yaml")
     fed = config.federation
     method = get_method(fed.method)
     if not method.first_order and config.optimizer.name not in FEDERATED_OPTIMIZERS:
@@ -201,8 +202,9 @@ def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Conso
                           f"federation.server_optimizer.name={fixed}")
     server_optimizer = fed.server_optimizer.build(fed.method, fed.rounds)
     out.mkdir(parents=True, exist_ok=True)
-    dump_config(config, out / "config.yaml")
     setup = build(config)
+    config = with_prompt_format(config, setup.task)
+    dump_config(config, out / "config.yaml")
     splits = client_splits(setup.train_data, fed.partition)
     summary = summarize(setup.train_data, [s.train for s in splits])
     console.print(format_summary(summary, setup.label_names))

@@ -17,9 +17,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from zofed import streams
 from zofed.data.generation import showing_generation
 from zofed.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, write_atomic_text
-from zofed.run.config import ConfigError, FederatedConfig, FinetuneConfig, check_resumed_config, dump_config
+from zofed.run.config import ConfigError, FederatedConfig, FinetuneConfig
 from zofed.run.metrics import MetricsLog
 from zofed.run.setup import Setup, build, eval_indices, save_final
+from zofed.run.stored_config import check_resumed_config, dump_config, with_prompt_format
 from zofed.zo.noise import derive_seed
 from zofed.zo.optim import OptState, learning_rate, make_optimizer
 from zofed.zo.perturb import Perturbation
@@ -49,10 +50,11 @@ def finetune(config: FinetuneConfig, *, resume: bool = False, show_progress: boo
     if existing is not None:
         if not resume:
             raise ConfigError(f"{out} already holds a run; pass --resume to continue it or choose another out_dir")
-        check_resumed_config(config, out / "config.yaml")
+        config = check_resumed_config(config, out / "config.yaml")
     out.mkdir(parents=True, exist_ok=True)
-    dump_config(config, out / "config.yaml")
     setup = setup or build(config)
+    config = with_prompt_format(config, setup.task)
+    dump_config(config, out / "config.yaml")
     tensors = setup.trainable.tensors()
     optimizer = make_optimizer(config.optimizer.name, **config.optimizer.hyperparameters())
     opt_state = optimizer.init(tensors)
