@@ -7,9 +7,9 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from zofed.data.causal_lm import CausalLM
 from zofed.data.generation import progress_bar
 from zofed.data.sources import DataError
-from zofed.data.tasks import CausalLM
 from zofed.run.config import ConfigError
 from zofed.run.setup import load_run
 
