@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from curve_plot import draw_seed_band, label_and_save
-from ranking import METHOD_OPTIONS  # benchmarks/ is the script's own directory, so first on sys.path
+from ranking_protocol import METHOD_OPTIONS  # benchmarks/ is the script's own directory, so first on sys.path
 from rich.console import Console
 from row_pool import record_rows, run_rows
 

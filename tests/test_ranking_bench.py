@@ -1,4 +1,4 @@
-"""benchmarks/ranking.py without running a model: each row's client compute follows its own estimator and cache."""
+"""benchmarks/protocol.py without running a model: each row's client compute follows its own estimator and cache."""
 
 from __future__ import annotations
 
@@ -8,18 +8,19 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import ranking  # noqa: E402
+import ranking_protocol as protocol  # noqa: E402
+from ranking_report import comparison_lines  # noqa: E402
 
 
 def test_rows_are_charged_their_own_passes_and_spend_at_most_the_budget():
     f = 4 / 30  # the top-4 set's share of SmolLM2's blocks, run by each perturbed pass when the prefix is cached
     step = {"zofed": (1 - f) + 2 * 4 * f, "zofed-forward": (1 - f) + (4 + 1) * f, "decomfl": 2.0}
     for row, cost in step.items():
-        assert ranking.per_client_round_cost(row, "top4") == pytest.approx(ranking.LOCAL_STEPS * cost)
-    assert ranking.rounds_for("zofed-forward", "top4", 1000) > ranking.rounds_for("zofed", "top4", 1000)
-    for row in ranking.ROWS:
-        round_cost = ranking.PER_ROUND * ranking.per_client_round_cost(row, "top4")
-        spent = ranking.rounds_for(row, "top4", 1000) * round_cost
+        assert protocol.per_client_round_cost(row, "top4") == pytest.approx(protocol.LOCAL_STEPS * cost)
+    assert protocol.rounds_for("zofed-forward", "top4", 1000) > protocol.rounds_for("zofed", "top4", 1000)
+    for row in protocol.ROWS:
+        round_cost = protocol.PER_ROUND * protocol.per_client_round_cost(row, "top4")
+        spent = protocol.rounds_for(row, "top4", 1000) * round_cost
         assert 1000 - round_cost < spent <= 1000, row
 
 
@@ -35,7 +36,7 @@ def test_the_targets_are_judged_from_the_rows():
               "decomfl": [_row("decomfl", s, f, slow) for s, f in enumerate([0.76, 0.76, 0.77])],
               "hiso": [_row("hiso", 0, 0.90, [(0, 0.6), (1000, 0.95)])],
               "fedavg-lora": [_row("fedavg-lora", s, 0.85, slow, up=1.8e6) for s in range(3)]}
-    text = "\n".join(ranking.comparison_lines(by_row))
+    text = "\n".join(comparison_lines(by_row))
     assert "Not compared yet, fewer seeds than zofed's 3: hiso (1)." in text  # its one high seed is not the bar
     assert "best ZO baseline here is decomfl (subset accuracy 0.7500" in text
     assert "Half the compute: zofed reaches decomfl's final subset accuracy at 0.40 of decomfl's 1,000 passes " \
@@ -44,4 +45,4 @@ def test_the_targets_are_judged_from_the_rows():
     assert "FedAvg with LoRA leads zofed by +5.00 points; within 3 points: missed" in text
     assert "uplink: 200 bytes per client and round; at most 1 KB: met" in text
     by_row["zofed"][1]["curve"] = [[0, 0.0, 0, 0.6], [1000, 0.0, 1, 0.74]]  # one seed never gets there
-    assert "Half the compute: missed, 1 of zofed's 3 seeds never reach" in "\n".join(ranking.comparison_lines(by_row))
+    assert "Half the compute: missed, 1 of zofed's 3 seeds never reach" in "\n".join(comparison_lines(by_row))

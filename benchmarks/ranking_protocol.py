@@ -1,0 +1,125 @@
+"""The ranking benchmark's protocol (benchmarks/ranking.py): the federation, the trainable sets, the rows and
+what each costs, the tuning grid, and each row's chosen grid point."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from zofed.fl.methods import get_method
+from zofed.fl.plan import FederationPlan
+from zofed.run.config import FederatedConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+CLIENTS, PER_ROUND, LOCAL_STEPS, BATCH, VALIDATION = 50, 5, 4, 8, 400
+# The trainable set every row shares (`--trainable`): its overrides, the share of SmolLM2's 30 blocks a perturbed
+# pass runs when the frozen prefix is cached, and zofed's engine lever on it (the prefix cached and several
+# queries a step; none where nothing can be cached). The baselines run their published algorithms on the same
+# tensors as zofed; a baseline row with the lever shows how much of a margin is the engine rather than the method.
+TOP4 = ["trainable.mode=patterns",
+        "trainable.patterns=['layers\\.(26|27|28|29)\\..*norm\\.weight$', '^model\\.norm\\.weight$']"]
+LEVER_Q4, LEVER_Q16 = ["zo.prefix_cache=true", "zo.queries=4"], ["zo.prefix_cache=true", "zo.queries=16"]
+TRAINABLE: dict[str, tuple[list[str], float, list[str]]] = {
+    "gains": (["trainable.mode=patterns", "trainable.patterns=['norm\\.weight$']"], 1.0, []),  # all 61 gains
+    "top4": (TOP4, 4 / 30, LEVER_Q4),  # the gains of the top 4 blocks and the final norm
+    "head": (["trainable.mode=none", "trainable.label_head=true"], 0.0, LEVER_Q16),  # the verbalizer's rows
+    "head-top4": ([*TOP4, "trainable.label_head=true"], 4 / 30, LEVER_Q4),
+}
+# row name -> (federation.method, runs with the engine lever)
+ROWS: dict[str, tuple[str, bool]] = {
+    "zofed": ("zofed", True),
+    "zofed-uncached": ("zofed", False),  # the method alone, at the baselines' one query a step
+    "zofed-shared": ("zofed", True),  # the round's clients share step seeds (ROW_OPTIONS): the server's cheap case
+    "zofed-zo-adam": ("zofed", True),  # local ZO-Adam on the clients, replayed exactly by the server
+    "zofed-tensor": ("zofed", True),  # one server second moment per tensor (zofed's default until global won)
+    "zofed-uncached-tensor": ("zofed", False),
+    "zofed-cosine-tensor": ("zofed", True),  # the server lr falls along a cosine to zero over the run
+    "zofed-beta1-0.5": ("zofed", True),  # a server momentum that forgets in 2 rounds, not 10
+    "zofed-beta1-ramp": ("zofed", True),  # server beta1 rising from 0.5 to 0.9 over the run
+    "zofed-features": ("zofed", True),  # noise scaled by 1 / RMS of each coordinate's input feature
+    "zofed-forward": ("zofed", True),  # one-sided queries around a shared centre pass: q + 1 passes, not 2 q
+    "hiso": ("hiso", False),
+    "fedkseed": ("fedkseed", False),
+    "decomfl": ("decomfl", False),
+    "zo-seeds": ("zo-seeds", False),
+    "fedmezo": ("fedmezo", False),
+    "hiso-cached": ("hiso", True),
+    "fedkseed-cached": ("fedkseed", True),
+    "decomfl-cached": ("decomfl", True),
+    "fedavg-lora": ("fedavg", False),  # first-order: LoRA, its own trainable set (the accuracy ceiling)
+}
+HEADLINE = ["zofed", "hiso", "fedkseed", "decomfl", "zo-seeds", "fedmezo", "fedavg-lora"]
+METHOD_OPTIONS = {"fedkseed": ["federation.pool_size=64"]}
+TENSORWISE = "federation.server_optimizer.granularity=tensor"
+ROW_OPTIONS = {"zofed-shared": ["federation.sampling.shared_seeds=true"], "zofed-zo-adam": ["optimizer.name=zo-adam"],
+               "zofed-tensor": [TENSORWISE], "zofed-uncached-tensor": [TENSORWISE],
+               "zofed-cosine-tensor": [TENSORWISE, "federation.server_optimizer.decay=cosine"],
+               "zofed-beta1-0.5": ["federation.server_optimizer.beta1=0.5"],
+               "zofed-beta1-ramp": ["federation.server_optimizer.beta1_start=0.5"],
+               "zofed-features": ["zo.precondition=features"], "zofed-forward": ["zo.estimator=forward"]}
+
+
+def row_overrides(row: str, trainable: str) -> tuple[list[str], float]:
+    """A row's config overrides on a trainable set, and the share of the blocks its perturbed passes run."""
+    method, cached = ROWS[row]
+    if get_method(method).first_order:
+        return ["trainable.mode=lora", *METHOD_OPTIONS.get(method, [])], 1.0
+    overrides, fraction, lever = TRAINABLE[trainable]
+    lever = lever if cached else []
+    return ([*overrides, *lever, *METHOD_OPTIONS.get(method, []), *ROW_OPTIONS.get(row, [])],
+            fraction if lever else 1.0)
+
+
+# The grid every method is tuned on: client lr, and a factor on the server optimizer's default lr. The ZO lrs
+# reach 1e-2 because the plain-averaging baselines step by the client lr and did best at the former top, 3e-3.
+CLIENT_LRS = {"zo": [3e-4, 1e-3, 3e-3, 1e-2], "first_order": [3e-4, 1e-3, 3e-3]}
+SERVER_FACTORS = [1.0, 3.0]
+COMMON = ["model.name=smollm2-135m", "optimizer.name=mezo", "zo.eps=1e-3", f"train.batch_size={BATCH}",
+          "task.max_length=64", "train.eval_batch_size=32", f"federation.partition.num_clients={CLIENTS}",
+          f"federation.clients_per_round={PER_ROUND}", f"federation.local_steps={LOCAL_STEPS}",
+          "federation.partition.scheme=dirichlet-mix", "federation.partition.test_fraction=0.1",
+          f"data.validation_examples={VALIDATION}", "data.eval_examples=300"]
+
+
+def per_client_round_cost(row: str, trainable: str) -> float:
+    """Forward-pass equivalents one client spends in a round of this row, as its method counts them."""
+    overrides, fraction = row_overrides(row, trainable)
+    config = load_config(None, [*COMMON, *overrides, f"federation.method={ROWS[row][0]}"], schema=FederatedConfig)
+    plan = FederationPlan.from_config(config, CLIENTS, fraction)  # the plan a run of this row follows
+    return get_method(ROWS[row][0]).forward_passes(plan.round(0))
+
+
+def rounds_for(row: str, trainable: str, budget: float) -> int:
+    return max(1, int(budget // (PER_ROUND * per_client_round_cost(row, trainable))))
+
+
+def grid(row: str, lrs: list[float] | None = None, factors: list[float] | None = None) -> list[tuple[float, float]]:
+    """The (client lr, server lr factor) points a row is tuned on; `lrs`/`factors` replace the defaults."""
+    kind = "first_order" if get_method(ROWS[row][0]).first_order else "zo"
+    default_factors = [1.0] if kind == "first_order" else SERVER_FACTORS  # FedAvg's server step is plain averaging
+    return [(lr, f) for lr in (lrs or CLIENT_LRS[kind]) for f in (factors or default_factors)]
+
+
+def row_key(phase: str, row: str, trainable: str, dataset: str, alpha: float, seed: int, lr: float, factor: float,
+            budget: float) -> str:
+    return f"{phase}|{row}|{trainable}|{dataset}|{alpha}|{seed}|{lr:g}|{factor:g}|{budget:g}"
+
+
+def choices(table: dict) -> dict[str, dict]:
+    """Per (dataset, trainable set, budget, row): the grid point with the best validation accuracy among the
+    tuning rows."""
+    best: dict[str, dict] = {}
+    tried: dict[str, list[str]] = {}
+    for r in table["rows"].values():
+        if r["phase"] != "tune":
+            continue
+        key = setting_key(r["dataset"], r["trainable"], r["budget"], r["row"])
+        tried.setdefault(key, []).append(f"({r['lr']:g}, {r['server_factor']:g})")
+        if key not in best or r["final_accuracy"] > best[key]["final_accuracy"]:
+            best[key] = r
+    return {k: {"lr": r["lr"], "server_factor": r["server_factor"], "validation_accuracy": r["final_accuracy"],
+                "tried": sorted(tried[k])} for k, r in best.items()}
+
+
+def setting_key(dataset: str, trainable: str, budget: float, row: str) -> str:
+    return f"{dataset}|{trainable}|{budget:g}|{row}"

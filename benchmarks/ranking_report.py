@@ -1,0 +1,173 @@
+"""The ranking benchmark's report (docs/results/ranking.md and its figures), written from the rows alone: the
+tuning choices, the final rows with their spread, zofed against the best ZO baseline and the learning-speed
+issue's targets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from curve_plot import draw_seed_band, label_and_save  # benchmarks/ is the script's own directory
+from ranking_protocol import (
+    BATCH,
+    CLIENT_LRS,
+    CLIENTS,
+    LOCAL_STEPS,
+    PER_ROUND,
+    RESULTS,
+    ROWS,
+    SERVER_FACTORS,
+    TRAINABLE,
+    VALIDATION,
+    choices,
+    setting_key,
+)
+
+from zofed.fl.methods import get_method
+from zofed.run.checkpoint import write_atomic_text
+
+
+def by_setting(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """Rows grouped by (dataset, alpha, trainable set, budget): the rows one table or figure compares."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["dataset"], r["alpha"], r["trainable"], r["budget"]), []).append(r)
+    return dict(sorted(groups.items()))
+
+
+def reached(curve: list[list[float]], target: float) -> float | None:
+    """Forward passes at which a curve first reaches `target` (None: never within its budget)."""
+    return next((point[0] for point in curve if point[3] >= target), None)
+
+
+def summary_lines(rows: list[dict]) -> list[str]:
+    lines = []
+    for (dataset, alpha, trainable, budget), group in by_setting([r for r in rows if r["phase"] == "final"]).items():
+        by_row: dict[str, list[dict]] = {}
+        for r in group:
+            by_row.setdefault(r["row"], []).append(r)
+        lines += [f"### {dataset}, alpha {alpha}, trainable set {trainable}, budget {budget:,.0f} passes", "",
+                  "| row | seeds | final accuracy (mean ± std) | subset accuracy at the end | rounds | passes "
+                  "| bytes up / client / round |", "|" + "---|" * 7]
+        for name, rs in by_row.items():
+            acc = np.array([r["final_accuracy"] for r in rs])
+            end = np.mean([r["curve"][-1][3] for r in rs])
+            spread = f"{acc.std(ddof=1):.4f}" if len(acc) > 1 else "n/a"  # the sample standard deviation
+            lines.append(f"| {name} | {len(rs)} | {acc.mean():.4f} ± {spread} | {end:.4f} | {rs[0]['rounds']} "
+                         f"| {rs[0]['forward_passes']:,.0f} | {rs[0]['bytes_up_per_client_round']:,.0f} |")
+        lines += comparison_lines(by_row)
+        lines.append("")
+    return lines
+
+
+def comparison_lines(by_row: dict[str, list[dict]]) -> list[str]:
+    """zofed against the best ZO baseline of one setting, and the learning-speed issue's targets, from the rows."""
+    if "zofed" not in by_row:
+        return []
+    baselines = {n: rs for n, rs in by_row.items() if ROWS[n][0] != "zofed" and not ROWS[n][1]
+                 and not get_method(ROWS[n][0]).first_order}  # published ZO algorithms, without the lever
+    # a baseline is compared once it has every seed zofed has, and on those seeds only
+    zofed_seeds = {r["seed"] for r in by_row["zofed"]}
+    baselines = {n: [r for r in rs if r["seed"] in zofed_seeds] for n, rs in baselines.items()}
+    lines = []
+    partial = sorted(n for n, rs in baselines.items() if len(rs) < len(zofed_seeds))
+    if partial:
+        lines += ["", f"Not compared yet, fewer seeds than zofed's {len(zofed_seeds)}: "
+                  + ", ".join(f"{n} ({len(baselines[n])})" for n in partial) + "."]
+    baselines = {n: rs for n, rs in baselines.items() if n not in partial}
+    if not baselines:
+        return lines
+    best = max(baselines, key=lambda n: np.mean([r["curve"][-1][3] for r in baselines[n]]))
+    target = float(np.mean([r["curve"][-1][3] for r in baselines[best]]))
+    lines += ["", f"The best ZO baseline here is {best} (subset accuracy {target:.4f} at the end of its "
+                  "budget). Compute each row needs to reach it, mean over its seeds that reach it:", ""]
+    for name, rs in by_row.items():
+        got = [h for h in (reached(r["curve"], target) for r in rs) if h is not None]
+        lines.append(f"- {name}: " + (f"{np.mean(got):,.0f} forward passes ({len(got)} of {len(rs)} seeds)"
+                                      if got else f"not reached by any of {len(rs)} seeds"))
+    mine = {r["seed"]: r for r in by_row["zofed"]}
+    theirs = {r["seed"]: r for r in baselines[best]}
+    seeds = sorted(mine.keys() & theirs.keys())
+    lines += ["", "Targets (the learning-speed issue, from these rows):", ""]
+    hits = [reached(mine[s]["curve"], target) for s in seeds]
+    spent = float(np.mean([theirs[s]["forward_passes"] for s in seeds]))
+    if all(h is not None for h in hits):
+        share = float(np.mean(hits)) / spent
+        lines.append(f"- Half the compute: zofed reaches {best}'s final subset accuracy at {share:.2f} of {best}'s "
+                     f"{spent:,.0f} passes on average: " + ("met" if share <= 0.5 else f"missed by {share - 0.5:.2f}"))
+    else:
+        lines.append(f"- Half the compute: missed, {sum(h is None for h in hits)} of zofed's {len(hits)} seeds never "
+                     f"reach {best}'s final subset accuracy")
+    if len(seeds) >= 2:
+        diff = np.array([mine[s]["final_accuracy"] - theirs[s]["final_accuracy"] for s in seeds]) * 100
+        se = diff.std(ddof=1) / np.sqrt(len(diff))
+        verdict = "met" if diff.mean() >= 2 and diff.mean() >= 2 * se else "missed"
+        lines.append(f"- zofed minus {best}, paired over seeds {seeds}: {diff.mean():+.2f} points (standard error "
+                     f"{se:.2f}); at least +2 points and two standard errors: {verdict}")
+    fedavg = [r for r in by_row.get("fedavg-lora", []) if r["seed"] in zofed_seeds]
+    if len(fedavg) == len(zofed_seeds):
+        gap = 100 * (np.mean([r["final_accuracy"] for r in fedavg])
+                     - np.mean([r["final_accuracy"] for r in mine.values()]))
+        lines.append(f"- FedAvg with LoRA leads zofed by {gap:+.2f} points; within 3 points: "
+                     + ("met" if gap <= 3 else "missed"))
+    up = float(np.mean([r["bytes_up_per_client_round"] for r in mine.values()]))
+    lines.append(f"- zofed's uplink: {up:,.0f} bytes per client and round; at most 1 KB: "
+                 + ("met" if up <= 1024 else "missed"))
+    return lines
+
+
+def plot_curves(groups: dict[str, list[dict]], title: str, path: Path) -> None:
+    """Accuracy against client compute, uplink bytes per client and rounds: per row the mean over its seeds, with
+    the seeds' range as a band (rows of one setting share their evaluation points)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(15, 4.2))
+    axes = fig.subplots(1, 3)
+    for name, rs in groups.items():
+        curves = np.array([r["curve"] for r in rs if len(r["curve"]) == len(rs[0]["curve"])])
+        draw_seed_band(axes, name, curves, curves[:, :, 3])
+    label_and_save(fig, axes, "accuracy", title, path)
+
+
+def figures(rows: list[dict]) -> list[str]:
+    """One figure per setting: the final rows (test subset), or while there are none, each row's chosen tuning
+    run (validation); returns the markdown that shows them."""
+    lines = []
+    chosen = choices({"rows": dict(enumerate(rows))})
+    for (dataset, alpha, trainable, budget), same in by_setting(rows).items():
+        finals = [r for r in same if r["phase"] == "final"]
+        if finals:
+            picked, what = finals, "final rows, test subset"
+        else:
+            picked = [r for r in same if r["phase"] == "tune"
+                      and (r["lr"], r["server_factor"]) == tuple(chosen[setting_key(
+                          dataset, trainable, budget, r["row"])][k] for k in ("lr", "server_factor"))]
+            what = "tuning runs at each row's chosen point, validation, one seed"
+        groups: dict[str, list[dict]] = {}
+        for r in picked:
+            groups.setdefault(r["row"], []).append(r)
+        name = f"ranking_{dataset}_a{alpha}_{trainable}_b{budget:g}.png"
+        plot_curves(groups, f"{dataset}, alpha {alpha}, {trainable}, {budget:,.0f} passes ({what})", RESULTS / name)
+        lines += [f"![{dataset} {trainable}]({name})", ""]
+    return lines
+
+
+def write_report(table: dict) -> None:
+    rows = list(table["rows"].values())
+    lines = ["# Ranking federated methods at equal client compute", "",
+             f"SmolLM2-135M; {CLIENTS} clients (Dirichlet label skew), {PER_ROUND} a round, {LOCAL_STEPS} local steps "
+             f"of batch {BATCH}; the same client compute (forward-pass equivalents of the full model, summed over "
+             f"the federation) for every row; settings tuned on a {VALIDATION}-example validation split carved from "
+             "the training data; final accuracy on the full test split, curves on a fixed 300-example test subset. "
+             "Reproduce: `.venv/bin/python benchmarks/ranking.py --phase tune`, then `--phase final`.", "",
+             "Trainable sets: " + "; ".join(f"`{k}`: {' '.join(v[0])}" for k, v in TRAINABLE.items()) + ".", "",
+             "## Tuning choices", "", "| dataset | trainable | budget | row | client lr | server lr factor "
+             "| validation accuracy | grid points run (client lr, server factor) |", "|" + "---|" * 8]
+    for key, c in sorted(choices(table).items()):
+        dataset, trainable, budget, row = key.split("|")
+        lines.append(f"| {dataset} | {trainable} | {budget} | {row} | {c['lr']:g} | {c['server_factor']:g} "
+                     f"| {c['validation_accuracy']:.4f} | {', '.join(c['tried'])} |")
+    lines += ["", f"The full grid: client lr {CLIENT_LRS} and server lr factors {SERVER_FACTORS} (first-order rows: "
+              "1); a row tuned on fewer points says so in its last column.",
+              "", "## Final rows", "", *summary_lines(rows), "## Curves", "", *figures(rows)]
+    write_atomic_text(RESULTS / "ranking.md", "\n".join(lines) + "\n")
