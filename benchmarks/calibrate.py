@@ -96,7 +96,7 @@ def run_row(dataset: str, setting: str, lr: float, seed: int, budget: int, point
     fit, validation = train.train_test_split(VALIDATION / len(train), seed + 100)
     setup.train, setup.test = setup.task.encode(fit), setup.task.encode(validation)
     # known once the model is split
-    step_cost = forward_equivalents(setup.pass_fraction, config.zo.queries, config.zo.estimator)
+    step_cost = forward_equivalents(setup.pass_fraction, config.zo.queries, config.zo.resolved_estimator(None))
     # the feature-shaped noise is measured with a few passes before training: they come out of the budget
     setup_passes = SETUP_PASSES if config.zo.precondition == "features" else 0
     steps = int((budget - setup_passes) // step_cost)

@@ -232,5 +232,7 @@ def test_sampling_settings_are_refused_for_methods_that_do_not_read_them(tiny_wo
     assert _config(tiny_workspace, tmp_path, "federation.method=decomfl",
                    "federation.sampling.mix=0.3").federation.sampling.mix == 0.3
     assert _config(tiny_workspace, tmp_path, "federation.sampling.blocks=2").federation.sampling.blocks == 2
-    with pytest.raises(ConfigError, match="unknown aggregator 'median'"):
-        _config(tiny_workspace, tmp_path, "federation.aggregator=median")
+    with pytest.raises(ConfigError, match="unknown aggregator 'krum'"):
+        _config(tiny_workspace, tmp_path, "federation.aggregator=krum")
+    with pytest.raises(ConfigError, match="federation.trim is a setting of the trimmed-mean aggregator, not of mean"):
+        _config(tiny_workspace, tmp_path, "federation.trim=0.2")

@@ -21,6 +21,8 @@ here, with a tag no other stream can take:
 | test cap                | run seed + 1                                    | data.test_examples' subset            |
 | watched test subset     | run seed + 2                                    | data.eval_examples, evaluated per round|
 | partition               | partition.seed (data/partition.py)              | the client split, each client's test  |
+| attackers               | [run seed, ATTACKERS]                           | which clients attack (attack.fraction)|
+| attack noise            | [run seed, ATTACK_NOISE, round, client]         | a random-scalars attacker's scalars   |
 
 Tags sit far above any round, client or step index (those are below 2**32), so no two streams of a run meet.
 The data streams are plain integer seeds, kept as they were so existing splits and subsets stay the same: the
@@ -37,6 +39,8 @@ SHARED_OWNER = 2**32 - 1  # the owner slot of step seeds that every client of a 
 KSEED_POOL = 2**40  # derive_seed slot offset of FedKSeed's pool seeds
 VALIDATION = 2**32 + 13  # second entry of the validation split's stream
 BLOCK_DRAW = 2**41  # derive_seed slot of zofed's block draw, apart from the noise's own use of a step seed
+ATTACKERS = 2**32 + 17  # second entry of the attackers' stream
+ATTACK_NOISE = 2**32 + 19  # second entry of a random-scalars attacker's stream
 
 
 def client_sampling(run_seed: int, round_id: int) -> np.random.Generator:
@@ -73,3 +77,11 @@ def test_cap(seed: int) -> np.random.Generator:
 
 def watched_subset(seed: int) -> np.random.Generator:
     return np.random.default_rng(seed + 2)
+
+
+def attackers(seed: int) -> np.random.Generator:
+    return np.random.default_rng([seed, ATTACKERS])
+
+
+def attack_noise(seed: int, round_id: int, client_id: int) -> np.random.Generator:
+    return np.random.default_rng([seed, ATTACK_NOISE, round_id, client_id])

@@ -8,10 +8,14 @@ densely, and one that needs each client's update (a median, a clipped mean) can 
 `Contribution.rebuild`. An aggregator that only needs the weighted sum may also offer `update_pooled`: the server
 then hands it the round already summed per (seed, tensor) on arrays (`PooledTerms`, pooled.py), when the method
 can (`Method.pooled_terms`), and skips building a `Contribution` per client.
+
+Against clients that lie, `trimmed-mean` and `median` look at each client's update coordinate by coordinate, and
+`clip_update` bounds what one uplink can carry before any aggregator (or the method's `observe`) reads it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -21,6 +25,7 @@ import torch
 
 from zofed.fl.methods.base import Directions
 from zofed.fl.pooled import PooledTerms
+from zofed.fl.protocol import ClientUpdate
 from zofed.zo.perturb import Perturbation, add_directions_, add_seed_rows_
 
 
@@ -104,10 +109,64 @@ class WeightedMean:
         return mean, state
 
 
-AGGREGATORS: dict[str, Callable[[], Any]] = {"mean": WeightedMean}
+@dataclass(frozen=True)
+class TrimmedMean:
+    """Per coordinate, the mean of the clients' values once the `trim` share of the largest and of the smallest
+    are dropped (rounded up, at least one value kept). Every client counts once, whatever number of examples it
+    claims: that number is the client's own word. Each client's update is rebuilt densely, so a round holds
+    clients x trainable values: the price of looking at every update on its own."""
+
+    trim: float = 0.1
+    name: str = "trimmed-mean"
+
+    def dropped(self, clients: int) -> int:
+        """Values dropped at each end of a coordinate's sorted values."""
+        return min(math.ceil(self.trim * clients - 1e-9), (clients - 1) // 2)
+
+    def init(self) -> dict[str, Any]:
+        return {}
+
+    def update(self, like: Sequence[torch.Tensor], contributions: Sequence[Contribution],
+               state: dict[str, Any]) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        if not contributions:
+            raise ValueError("no accepted client update to aggregate")
+        rebuilt = [c.rebuild(like) for c in contributions]
+        n, drop = len(rebuilt), self.dropped(len(rebuilt))
+        kept = [torch.stack([r[i] for r in rebuilt]).sort(dim=0).values[drop:n - drop] for i in range(len(like))]
+        return [values.mean(dim=0) for values in kept], state
 
 
-def make_aggregator(name: str) -> Any:
+@dataclass(frozen=True)
+class CoordinateMedian(TrimmedMean):
+    """Per coordinate, the median of the clients' values (the mean of the middle two for an even count)."""
+
+    name: str = "median"
+
+    def dropped(self, clients: int) -> int:
+        return (clients - 1) // 2
+
+
+def clip_update(update: ClientUpdate, bound: float) -> tuple[ClientUpdate, bool]:
+    """The uplink with its numbers scaled down to an L2 norm of at most `bound` (the scalars of a seed-and-scalar
+    uplink, the update of a dense one), and whether it had to be: one client then moves the round at most so far."""
+    values = update.dense if update.dense is not None else update.grads
+    norm = float(np.linalg.norm(values.astype(np.float64)))
+    if norm <= bound:
+        return update, False
+    scaled = (values * np.float32(bound / norm)).astype(np.float32)
+    changed = {"dense": scaled} if update.dense is not None else {"grads": scaled}
+    return replace(update, **changed), True
+
+
+# name -> factory of the aggregator from the federation's aggregation settings
+AGGREGATORS: dict[str, Callable[..., Any]] = {
+    "mean": lambda trim: WeightedMean(),
+    "trimmed-mean": lambda trim: TrimmedMean(trim=trim),
+    "median": lambda trim: CoordinateMedian(),
+}
+
+
+def make_aggregator(name: str, trim: float = 0.1) -> Any:
     if name not in AGGREGATORS:
         raise ValueError(f"unknown aggregator {name!r}; choose one of {', '.join(AGGREGATORS)}")
-    return AGGREGATORS[name]()
+    return AGGREGATORS[name](trim)

@@ -113,7 +113,8 @@ class FederationPlan:
             "noise": config.zo.noise, "pool_size": fed.pool_size,
             "sampling": BlockSampling(**sampling.model_dump(exclude={"personalize"})),
             "first_order_optimizer": fed.first_order_optimizer,
-            "pass_fraction": 1.0 if method.first_order else pass_fraction, "estimator": config.zo.estimator,
+            "pass_fraction": 1.0 if method.first_order else pass_fraction,
+            "estimator": config.zo.resolved_estimator(fed.method),
             "optimizer": "mezo" if method.first_order else config.optimizer.name, "momentum": config.optimizer.momentum,
             "beta1": config.optimizer.beta1, "beta2": config.optimizer.beta2}
         return cls(**settings)

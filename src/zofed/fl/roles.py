@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from zofed import streams
-from zofed.fl.aggregate import Contribution, WeightedMean
+from zofed.fl.aggregate import Contribution, WeightedMean, clip_update
+from zofed.fl.attacks import Attack
 from zofed.fl.client import ClientContext, load_tensors_
 from zofed.fl.methods import get_method
 from zofed.fl.plan import FederationPlan, LocalTraining
@@ -43,7 +45,7 @@ class ServerRole:
 
     def __init__(self, plan: FederationPlan, tensors: Sequence[torch.Tensor],
                  masks: Sequence[torch.Tensor | None] | None = None, optimizer: ServerOptimizer | None = None,
-                 aggregator: Any = None) -> None:
+                 aggregator: Any = None, clip_norm: float | None = None) -> None:
         self.plan = plan
         self.method = get_method(plan.method)
         self.tensors = [t.detach().to("cpu", copy=True) for t in tensors]  # the server computes on the CPU
@@ -51,6 +53,8 @@ class ServerRole:
         self.optimizer = optimizer or make_server_optimizer()
         self.opt_state = self.optimizer.init(self.tensors)
         self.aggregator = aggregator or WeightedMean()
+        self.clip_norm = clip_norm  # each uplink's scalars (or dense update) clipped to this L2 norm; None: not
+        self.last_clipped = 0  # uplinks the last aggregate clipped
         self.agg_state = self.aggregator.init()
         self.num_trainable = sum(t.numel() for t in self.tensors)
         self.method_state = self.method.init_state(self)
@@ -107,6 +111,11 @@ class ServerRole:
         """Aggregate the accepted updates, let the method learn from them, apply the server optimizer.
         A round with no accepted update keeps the model."""
         times = [time.perf_counter()]
+        self.last_clipped = 0
+        if self.clip_norm is not None:  # before anything reads the scalars: the rebuild, and the method's probes
+            clipped = [clip_update(u, self.clip_norm) for u in inbox.accepted]
+            inbox.accepted[:] = [u for u, _ in clipped]
+            self.last_clipped = sum(hit for _, hit in clipped)
         if inbox.accepted:
             pooled = self.pooled_terms(local, inbox.accepted)
             if pooled is not None:  # the round summed on arrays: no per-client objects (pooled.py)
@@ -144,9 +153,14 @@ class ServerRole:
 class ClientRole:
     """Turns a downlink into an uplink: load the weights, train on this client's examples, report."""
 
-    def __init__(self, ctx: ClientContext, first_order_optimizer: str = "adamw") -> None:
+    def __init__(self, ctx: ClientContext, first_order_optimizer: str = "adamw", attack: Attack | None = None,
+                 num_classes: int | None = None) -> None:
         self.ctx = ctx
         self.first_order_optimizer = first_order_optimizer
+        # an attacking client's view: the same model, and the data it trains on (label-flip: wrong labels)
+        self.attack = attack
+        self.attack_ctx = ctx if attack is None else replace(ctx, train=attack.data(ctx.train, num_classes or 0))
+        self._last_uplinks: dict[int, bytes] = {}  # an attacker's last honest uplink (the stale attack re-sends it)
 
     def train(self, downlink: bytes, client_id: int, indices: np.ndarray, round_id: int | None = None) -> bytes:
         message = decode(downlink, expect_round=round_id, max_bytes=len(downlink))
@@ -158,9 +172,18 @@ class ClientRole:
             raise ValueError(f"downlink carries {message.weights.size} weights, this model has "
                              f"{sum(t.numel() for t in like)} trainable values")
         start = unflatten(message.weights, like)
-        update, _ = get_method(local.method).train(self.ctx, start, client_id, indices, local, message.server_state,
+        attacking = self.attack is not None and client_id in self.attack.clients
+        ctx = self.attack_ctx if attacking else self.ctx
+        update, _ = get_method(local.method).train(ctx, start, client_id, indices, local, message.server_state,
                                                    first_order_optimizer=self.first_order_optimizer)
-        return encode(update)
+        if not attacking:
+            return encode(update)
+        if self.attack.kind == "stale":
+            honest = encode(update)
+            sent = self._last_uplinks.get(client_id, honest)
+            self._last_uplinks[client_id] = honest
+            return sent
+        return encode(self.attack.tamper(update, local.round_id, client_id))
 
     def load_global(self, tensors: Sequence[torch.Tensor]) -> None:
         load_tensors_(self.ctx.trainable.tensors(), tensors)

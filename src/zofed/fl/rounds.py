@@ -78,6 +78,8 @@ def run_round(server: ServerRole, round_id: int, deliver: Deliver, *, min_accept
         raise RoundFailed(f"round {round_id + 1}: {len(inbox.accepted)} of {len(sampled)} sampled clients gave a "
                           f"usable uplink, fewer than the {min_accepted} the round needs ({reasons})", record)
     server.aggregate(local, inbox)
+    if server.clip_norm is not None:
+        record["clipped"] = server.last_clipped
     record.update(round_seconds=round(time.perf_counter() - t0, 3),
                   aggregate_seconds=round(sum(server.last_seconds.values()), 4), peak_rss_mib=peak_rss_mib())
     return record

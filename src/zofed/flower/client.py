@@ -36,15 +36,16 @@ def client_worker(text: str) -> ClientWorker:
     """Build once per process and config text: the model replica, the encoded data, every client's examples."""
     from zofed.data.partition import client_splits
     from zofed.fl.client import ClientContext
-    from zofed.fl.roles import ClientRole
     from zofed.flower.config import parse_config_text
+    from zofed.run.federated import make_client_role
     from zofed.run.setup import build
 
     config = parse_config_text(text)
     setup = build(config)
     splits = client_splits(setup.train_data, config.federation.partition)
     ctx = ClientContext(setup.model, setup.trainable, setup.task, setup.train)
-    return ClientWorker(ClientRole(ctx, config.federation.first_order_optimizer), [s.train for s in splits])
+    role = make_client_role(config, ctx, len(splits), setup.label_names)
+    return ClientWorker(role, [s.train for s in splits])
 
 
 def node_partition(node_config: Mapping[str, Any]) -> tuple[int, int]:

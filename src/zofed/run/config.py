@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from zofed.data.partition import PartitionConfig
 from zofed.data.tasks import TaskConfig
 from zofed.fl.aggregate import AGGREGATORS
+from zofed.fl.attacks import AttackKind
 from zofed.fl.methods import get_method
 from zofed.fl.server_opt import SERVER_OPTIMIZERS, ServerOptimizer, make_server_optimizer
 from zofed.models.selection import TrainableConfig
@@ -82,14 +83,22 @@ class ZOSection(_Section):
     eps: float = Field(1e-3, gt=0)
     queries: int = Field(1, ge=1)
     # central: (L(x+eps u) - L(x-eps u)) / 2 eps, 2 q passes a step; forward: (L(x+eps u) - L(x)) / eps around one
-    # shared centre pass, q + 1 passes (biased, cheaper for many queries)
-    estimator: Literal["central", "forward"] = "central"
+    # shared centre pass, q + 1 passes (biased, cheaper for many queries). Unset: the method's own (zofed: forward
+    # when a step averages several queries; every other method, and centralized runs: central).
+    estimator: Literal["central", "forward"] | None = None
     # Run the frozen blocks below the first trainable one once per batch, and only the blocks above for each
     # perturbed pass (zo/prefix.py): a step then costs (1 - f) + 2 q f forward passes, f the share of blocks run.
     prefix_cache: bool = False
     # features: each coordinate's noise scaled by 1 / RMS of the input feature it multiplies, measured once on
     # random tokens through the starting model (zo/feature_scale.py); none: the same scale for every coordinate
     precondition: Literal["none", "features"] = "none"
+
+
+    def resolved_estimator(self, method: str | None) -> str:
+        """The estimator a run uses: the set one, else the federated method's default, else central."""
+        if self.estimator is not None:
+            return self.estimator
+        return get_method(method).default_estimator(self.queries) if method else "central"
 
 
 class OptimizerSection(_Section):
@@ -202,7 +211,11 @@ class FederationSection(_Section):
     pool_size: int = Field(64, ge=1)  # fedkseed's shared seed pool
     first_order_optimizer: Literal["adamw", "sgd"] = "adamw"  # fedavg, fedadam: clients back-propagate
     first_order_lr: float = Field(1e-3, gt=0)
-    aggregator: str = "mean"  # how the clients' updates combine (fl/aggregate.py)
+    aggregator: str = "mean"  # how the clients' updates combine (fl/aggregate.py): mean, trimmed-mean, median
+    trim: float = Field(0.1, ge=0, lt=0.5)  # trimmed-mean: the share of clients dropped at each end, per coordinate
+    # Each accepted uplink's numbers (its scalars, or a dense update) are scaled down to at most this L2 norm
+    # before they are aggregated: the bound on how far one client can move a round. None: no bound.
+    clip_norm: float | None = Field(None, gt=0)
     partition: PartitionConfig = Field(default_factory=PartitionConfig)
     server_optimizer: ServerOptimizerSection = Field(default_factory=ServerOptimizerSection)
     sampling: SamplingSection = Field(default_factory=SamplingSection)
@@ -220,6 +233,13 @@ class FederationSection(_Section):
         if name not in AGGREGATORS:
             raise ValueError(f"unknown aggregator {name!r}; choose one of {', '.join(AGGREGATORS)}")
         return name
+
+    @model_validator(mode="after")
+    def _trim_only_where_read(self) -> FederationSection:
+        if self.trim != FederationSection.model_fields["trim"].default and self.aggregator != "trimmed-mean":
+            raise ValueError(f"federation.trim is a setting of the trimmed-mean aggregator, not of "
+                             f"{self.aggregator}")
+        return self
 
     @model_validator(mode="after")
     def _sampling_only_where_read(self) -> FederationSection:
@@ -243,12 +263,30 @@ class FlowerSection(_Section):
     client_gpus: float = Field(0.0, ge=0)  # simulation: share of a GPU each simulated SuperNode holds (0.25: 4 a GPU)
 
 
+class AttackSection(_Section):
+    """Clients that lie (fl/attacks.py), to measure the server's defenses: a seeded share of the clients attacks
+    whenever it is sampled."""
+
+    kind: AttackKind = "none"  # sign-flip, scale, random, label-flip, stale
+    fraction: float = Field(0.0, ge=0, le=1)  # share of the clients that attack, rounded up
+    scale: float = Field(100.0, gt=0)  # kind scale: the factor on the attackers' scalars
+
+    @model_validator(mode="after")
+    def _whole(self) -> AttackSection:
+        if (self.kind == "none") != (self.fraction == 0):
+            raise ValueError("an attack needs both attack.kind and attack.fraction > 0 (kind none: fraction 0)")
+        if self.kind != "scale" and self.scale != AttackSection.model_fields["scale"].default:
+            raise ValueError(f"attack.scale is a setting of attack.kind scale, not of {self.kind}")
+        return self
+
+
 class FederatedConfig(FinetuneConfig):
     """A federated run: the centralized sections (model, data, task, trainable, zo, local optimizer, train)
     plus the federation. `train.batch_size` is the clients' local batch; `train.seed` the run seed."""
 
     federation: FederationSection = Field(default_factory=FederationSection)
     flower: FlowerSection = Field(default_factory=FlowerSection)
+    attack: AttackSection = Field(default_factory=AttackSection)
     out_dir: str = "runs/federated"
 
     @model_validator(mode="after")

@@ -28,10 +28,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from zofed.data.generation import showing_generation
 from zofed.data.partition import ClientSplit, client_splits, format_summary, plot_partition, summarize
 from zofed.fl.aggregate import make_aggregator
+from zofed.fl.attacks import Attack
 from zofed.fl.client import ClientContext
 from zofed.fl.methods import get_method
 from zofed.fl.plan import FEDERATED_OPTIMIZERS, FederationPlan
-from zofed.fl.roles import ServerRole
+from zofed.fl.roles import ClientRole, ServerRole
 from zofed.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, write_atomic_text
 from zofed.run.config import ConfigError, FederatedConfig
 from zofed.run.metrics import CLIENT_LISTS, MetricsLog
@@ -95,6 +96,10 @@ class FederatedRun:
 
     def client_context(self) -> ClientContext:
         return ClientContext(self.setup.model, self.setup.trainable, self.setup.task, self.setup.train)
+
+    def client_role(self) -> ClientRole:
+        """The role that trains every simulated client, attackers included."""
+        return make_client_role(self.config, self.client_context(), len(self.splits), self.setup.label_names)
 
     def evaluate(self, round_done: int) -> dict[str, float]:
         """The fixed test subset every `eval_every` rounds and after the last; the model must hold the global
@@ -181,6 +186,16 @@ class FederatedRun:
         return results
 
 
+def make_client_role(config: FederatedConfig, ctx: ClientContext, num_clients: int,
+                     label_names: list[str] | None) -> ClientRole:
+    """The client role of a run: honest, or with `config.attack`'s clients lying."""
+    attack = Attack.chosen(config.attack.kind, config.attack.fraction, num_clients, config.train.seed,
+                           config.attack.scale)
+    if attack is not None and attack.kind == "label-flip" and not label_names:
+        raise ConfigError("attack.kind label-flip needs labelled data; this run's task has no labels")
+    return ClientRole(ctx, config.federation.first_order_optimizer, attack, len(label_names or []))
+
+
 def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Console | None = None) -> FederatedRun:
     """Check the config, build model, data and partition, write the partition files, make (or restore) the
     server role."""
@@ -216,7 +231,7 @@ def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Conso
     plan = FederationPlan.from_config(config, len(splits), setup.pass_fraction)
     try:
         server = ServerRole(plan, setup.trainable.tensors(), setup.trainable.masks, server_optimizer,
-                            make_aggregator(fed.aggregator))
+                            make_aggregator(fed.aggregator, fed.trim), fed.clip_norm)
     except ValueError as err:  # the method's own settings that cannot go with the rest (e.g. a tilt without momentum)
         raise ConfigError(f"federation: {err}") from None
     metrics = MetricsLog(out / "metrics.jsonl")
@@ -242,5 +257,6 @@ def run_federated(config: FederatedConfig, *, resume: bool = False, show_progres
     t0 = time.perf_counter()
     with run.progress(console, show_progress) as on_round:
         simulate(run.client_context(), [s.train for s in run.splits], run.server, config.federation.rounds,
+                 client=run.client_role(),
                  start_round=run.start_round, evaluate=run.evaluate, on_round=on_round, on_checkpoint=run.checkpoint)
         return run.finish(time.perf_counter() - t0)  # on the bar: the final test may generate for minutes

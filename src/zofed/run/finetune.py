@@ -69,7 +69,8 @@ def finetune(config: FinetuneConfig, *, resume: bool = False, show_progress: boo
     perturbation = Perturbation(kind=config.zo.noise, masks=setup.trainable.masks)
     watch = eval_indices(config, setup.test)
     steps, every = config.train.steps, config.train.eval_every
-    step_cost = forward_equivalents(setup.pass_fraction, config.zo.queries, config.zo.estimator)  # per step
+    estimator = config.zo.resolved_estimator(None)  # a centralized run: central unless set
+    step_cost = forward_equivalents(setup.pass_fraction, config.zo.queries, estimator)  # per step
     forward_passes = step_cost * start
 
     columns = [TextColumn("[bold]ZO fine-tuning"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
@@ -98,7 +99,7 @@ def finetune(config: FinetuneConfig, *, resume: bool = False, show_progress: boo
             opt_state, record = zo_step(
                 tensors, loss, optimizer, opt_state,
                 seed=derive_seed(config.train.seed, step), eps=config.zo.eps, lr=lr, queries=config.zo.queries,
-                perturbation=perturbation, estimator=config.zo.estimator)
+                perturbation=perturbation, estimator=estimator)
             forward_passes += step_cost
             metrics.write({"step": step + 1, "event": "train", "loss": record.loss, "grads": list(record.grads),
                            "lr": lr, "forward_passes": forward_passes})

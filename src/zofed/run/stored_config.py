@@ -18,7 +18,11 @@ from zofed.run.config import ConfigError, FederatedConfig, FinetuneConfig, load_
 
 
 def pinned(config: FinetuneConfig) -> FinetuneConfig:
-    """The config with the server optimizer's method defaults written out (name, lr, granularity, relative)."""
+    """The config with the method's defaults written out: the clients' estimator, and the server optimizer's
+    name, lr, granularity and relative steps."""
+    method = config.federation.method if isinstance(config, FederatedConfig) else None
+    zo = config.zo.model_copy(update={"estimator": config.zo.resolved_estimator(method)})
+    config = config.model_copy(update={"zo": zo})
     if not isinstance(config, FederatedConfig):
         return config
     fed = config.federation
@@ -66,9 +70,12 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _resolved_view(config: FinetuneConfig) -> dict[str, Any]:
-    """The config as flat keys, with the server optimizer as it will run: an unset field and the method default it
-    resolves to are the same run (a stored `relative: false` and a new unset one both mean sgd's absolute steps)."""
+    """The config as flat keys, with the estimator and the server optimizer as they will run: an unset field and
+    the method default it resolves to are the same run (a stored `relative: false` and a new unset one both mean
+    sgd's absolute steps)."""
     flat = _flatten(config.model_dump(mode="json"))
+    method = config.federation.method if isinstance(config, FederatedConfig) else None
+    flat["zo.estimator"] = config.zo.resolved_estimator(method)
     if isinstance(config, FederatedConfig):
         prefix = "federation.server_optimizer."
         flat = {k: v for k, v in flat.items() if not k.startswith(prefix)}

@@ -30,12 +30,14 @@ class SimulationResult:
 def simulate(ctx: ClientContext, client_indices: Sequence[np.ndarray], server: ServerRole, rounds: int, *,
              start_round: int = 0, evaluate: Callable[[int], dict[str, float]] | None = None,
              tamper: Tamper | None = None, on_round: Callable[[dict], None] | None = None,
-             on_checkpoint: Callable[[int, ServerRole], None] | None = None) -> SimulationResult:
+             on_checkpoint: Callable[[int, ServerRole], None] | None = None,
+             client: ClientRole | None = None) -> SimulationResult:
     """Run rounds `start_round`..`rounds`-1 of `server`'s plan; returns the final global tensors and per-round
-    records. `on_checkpoint(rounds_done, server)` follows every round."""
+    records. `on_checkpoint(rounds_done, server)` follows every round; `client` replaces the honest client role
+    built from `ctx` (a run with attackers passes its own)."""
     if len(client_indices) != server.plan.num_clients:
         raise ValueError(f"{len(client_indices)} clients hold data, the plan has {server.plan.num_clients}")
-    client = ClientRole(ctx, server.plan.first_order_optimizer)
+    client = client or ClientRole(ctx, server.plan.first_order_optimizer)
 
     def deliver(round_id: int, downlinks: Sequence[tuple[int, bytes]]) -> dict[int, bytes]:
         replies = {}

@@ -80,6 +80,11 @@ class Method:
     server_default: ClassVar[ServerDefault] = ServerDefault()
 
     # --- the run ---------------------------------------------------------------------------------------
+    def default_estimator(self, queries: int) -> str:
+        """The two-point estimate its clients use when `zo.estimator` is unset: the published algorithms take
+        the central difference."""
+        return "central"
+
     def round_method(self, personalize: bool) -> str:
         """The method the rounds run (zofed without personalization runs zo-seeds' steps)."""
         return self.name

@@ -1,0 +1,119 @@
+"""Aggregation against clients that lie: the coordinate-wise trimmed mean and median, and the bound on what one
+uplink can carry (fl/aggregate.py), through the server role and in a whole run."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from toy_federation import tiny_federated_config
+
+from zofed.fl.aggregate import AGGREGATORS, Contribution, CoordinateMedian, TrimmedMean, WeightedMean, clip_update
+from zofed.fl.plan import FederationPlan
+from zofed.fl.protocol import ClientUpdate, encode
+from zofed.fl.roles import ServerRole
+from zofed.fl.server import RoundInbox
+from zofed.fl.server_opt import make_server_optimizer
+from zofed.run.federated import run_federated
+
+SIZES = (30, 12, 50)
+
+
+def _dense(values: np.ndarray, claimed: list[int]) -> list[Contribution]:
+    """One contribution per row of `values` (clients x coordinates), cut into SIZES-shaped tensors."""
+    cuts = np.cumsum(SIZES)[:-1]
+    return [Contribution(c, n, [torch.from_numpy(part.copy()) for part in np.split(row, cuts)], [])
+            for c, (row, n) in enumerate(zip(values, claimed, strict=True))]
+
+
+def _flat(tensors) -> np.ndarray:
+    return torch.cat([t.flatten() for t in tensors]).numpy()
+
+
+def test_trimmed_mean_and_median_are_per_coordinate_and_ignore_claimed_examples():
+    rng = np.random.default_rng(0)
+    values = rng.normal(size=(7, sum(SIZES))).astype(np.float32)
+    values[3] *= 1000  # one client with a huge update, claiming far more examples than the rest
+    claimed = [10, 10, 10, 10**6, 10, 10, 10]
+    like = [torch.zeros(n) for n in SIZES]
+    contributions = _dense(values, claimed)
+    ordered = np.sort(values, axis=0)
+    trimmed, _ = TrimmedMean(trim=0.2).update(like, contributions, {})
+    # 0.2 of 7 clients, rounded up: the two largest and two smallest values of each coordinate go
+    assert np.allclose(_flat(trimmed), ordered[2:5].mean(axis=0), atol=1e-6)
+    median, _ = CoordinateMedian().update(like, contributions, {})
+    assert np.allclose(_flat(median), np.median(values, axis=0), atol=1e-6)
+    even, _ = CoordinateMedian().update(like, contributions[:6], {})  # the mean of the middle two
+    assert np.allclose(_flat(even), np.median(values[:6], axis=0), atol=1e-6)
+    mean, _ = WeightedMean().update(like, contributions, {})
+    assert np.abs(_flat(mean)).max() > 100 > 10 * np.abs(_flat(median)).max()  # the liar owns the plain mean
+    assert TrimmedMean(trim=0.0).dropped(7) == 0 and TrimmedMean(trim=0.45).dropped(4) == 1  # one value kept
+    with pytest.raises(ValueError, match="no accepted client update"):
+        CoordinateMedian().update(like, [], {})
+    assert set(AGGREGATORS) == {"mean", "trimmed-mean", "median"}
+
+
+def test_clipping_scales_an_uplink_down_to_the_bound_along_its_own_direction():
+    grads = np.array([[3.0, 0.0], [0.0, 4.0]], np.float32)  # norm 5
+    update = ClientUpdate(0, 1, np.zeros(0, np.uint64), 11, grads, 8, {})
+    clipped, hit = clip_update(update, 1.0)
+    assert hit and np.isclose(np.linalg.norm(clipped.grads), 1.0) and np.allclose(clipped.grads * 5, grads)
+    assert clipped.base_seed == 11 and clipped.grads.dtype == np.float32
+    same, hit = clip_update(update, 5.0)
+    assert same is update and not hit
+    dense = ClientUpdate(0, 1, np.zeros(0, np.uint64), None, np.zeros((0, 1), np.float32), 8, {},
+                         dense=np.full(4, 2.0, np.float32))  # norm 4
+    clipped, hit = clip_update(dense, 2.0)
+    assert hit and np.allclose(clipped.dense, 1.0) and clipped.grads.shape == (0, 1)
+
+
+def _server_round(aggregator, clip_norm=None, attacker_scale=100.0):
+    """A zo-seeds server after one round of five uplinks with unit-size scalars, the last client's scaled."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(n, generator=gen) for n in SIZES]
+    plan = FederationPlan("zo-seeds", 5, 5, 3, lr=0.1, eps=1e-2, run_seed=3)
+    server = ServerRole(plan, tensors, None, make_server_optimizer("sgd", 1.0), aggregator, clip_norm)
+    local, inbox = server.round_plan(0), RoundInbox()
+    rng = np.random.default_rng(0)
+    clients = server.sample(0)
+    for c in clients:
+        server.send_state(local, c)
+        seeds = server.method.step_seeds(local, c)
+        grads = rng.choice([-1.0, 1.0], size=(3, 1)).astype(np.float32)
+        if c == clients[-1]:
+            grads *= attacker_scale
+        server.receive(inbox, local, c, encode(ClientUpdate(0, c, np.zeros(0, np.uint64), seeds.base_seed, grads,
+                                                            10, {})))
+    assert len(inbox.accepted) == 5, inbox.rejected
+    start = [t.clone() for t in server.tensors]
+    honest = [server.contribution(u, local).rebuild(start) for u in inbox.accepted[:-1]]
+    server.aggregate(local, inbox)
+    moved = _flat([t - s for t, s in zip(server.tensors, start, strict=True)])
+    return moved, np.stack([_flat(h) for h in honest]), server
+
+
+def test_a_scaled_attacker_moves_the_mean_and_neither_the_clipped_mean_nor_the_median():
+    honest_move = _server_round(WeightedMean(), attacker_scale=1.0)[0]
+    attacked, honest, _ = _server_round(WeightedMean())
+    assert np.linalg.norm(attacked) > 15 * np.linalg.norm(honest_move)
+    clipped, _, server = _server_round(WeightedMean(), clip_norm=np.sqrt(3))  # the honest scalars' own norm
+    assert server.last_clipped == 1
+    assert np.linalg.norm(clipped) < 2 * np.linalg.norm(honest_move)
+    # the median of five with one liar lies between the honest clients' values, coordinate by coordinate
+    median, honest, _ = _server_round(CoordinateMedian())
+    assert np.all(median >= honest.min(axis=0) - 1e-6) and np.all(median <= honest.max(axis=0) + 1e-6)
+
+
+def test_a_run_with_a_robust_aggregator_and_clipping_records_the_clipped_uplinks(tiny_workspace, tmp_path):
+    out = tmp_path / "robust"
+    config = tiny_federated_config(tiny_workspace, out, "federation.method=zo-seeds",
+                                   "federation.aggregator=trimmed-mean", "federation.trim=0.3",
+                                   "federation.clip_norm=1e-6")
+    results = run_federated(config, show_progress=False)
+    rounds = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["event"] == "round"]
+    assert [r["clipped"] for r in rounds] == [2, 2, 2]  # a bound this small clips every uplink
+    assert results["eval_accuracy_final"] is not None
+    plain = tiny_federated_config(tiny_workspace, tmp_path / "plain", "federation.method=zo-seeds")
+    run_federated(plain, show_progress=False)
+    plain_rounds = [json.loads(x) for x in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()]
+    assert all("clipped" not in r for r in plain_rounds)
