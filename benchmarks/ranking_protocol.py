@@ -27,7 +27,8 @@ TRAINABLE: dict[str, tuple[list[str], float, list[str]]] = {
 }
 # row name -> (federation.method, runs with the engine lever)
 ROWS: dict[str, tuple[str, bool]] = {
-    "zofed": ("zofed", True),
+    "zofed": ("zofed", True),  # zofed's defaults (one-sided queries, as it has 4 a step) with the engine lever
+    "zofed-central": ("zofed", True),  # central two-point queries (zofed's default until forward won)
     "zofed-uncached": ("zofed", False),  # the method alone, at the baselines' one query a step
     "zofed-shared": ("zofed", True),  # the round's clients share step seeds (ROW_OPTIONS): the server's cheap case
     "zofed-zo-adam": ("zofed", True),  # local ZO-Adam on the clients, replayed exactly by the server
@@ -37,7 +38,6 @@ ROWS: dict[str, tuple[str, bool]] = {
     "zofed-beta1-0.5": ("zofed", True),  # a server momentum that forgets in 2 rounds, not 10
     "zofed-beta1-ramp": ("zofed", True),  # server beta1 rising from 0.5 to 0.9 over the run
     "zofed-features": ("zofed", True),  # noise scaled by 1 / RMS of each coordinate's input feature
-    "zofed-forward": ("zofed", True),  # one-sided queries around a shared centre pass: q + 1 passes, not 2 q
     "hiso": ("hiso", False),
     "fedkseed": ("fedkseed", False),
     "decomfl": ("decomfl", False),
@@ -51,12 +51,15 @@ ROWS: dict[str, tuple[str, bool]] = {
 HEADLINE = ["zofed", "hiso", "fedkseed", "decomfl", "zo-seeds", "fedmezo", "fedavg-lora"]
 METHOD_OPTIONS = {"fedkseed": ["federation.pool_size=64"]}
 TENSORWISE = "federation.server_optimizer.granularity=tensor"
-ROW_OPTIONS = {"zofed-shared": ["federation.sampling.shared_seeds=true"], "zofed-zo-adam": ["optimizer.name=zo-adam"],
-               "zofed-tensor": [TENSORWISE], "zofed-uncached-tensor": [TENSORWISE],
-               "zofed-cosine-tensor": [TENSORWISE, "federation.server_optimizer.decay=cosine"],
-               "zofed-beta1-0.5": ["federation.server_optimizer.beta1=0.5"],
-               "zofed-beta1-ramp": ["federation.server_optimizer.beta1_start=0.5"],
-               "zofed-features": ["zo.precondition=features"], "zofed-forward": ["zo.estimator=forward"]}
+# The ablations were measured with central queries, zofed's estimator before forward won; they keep it.
+CENTRAL = "zo.estimator=central"
+ROW_OPTIONS = {"zofed-central": [CENTRAL], "zofed-shared": [CENTRAL, "federation.sampling.shared_seeds=true"],
+               "zofed-zo-adam": [CENTRAL, "optimizer.name=zo-adam"],
+               "zofed-tensor": [CENTRAL, TENSORWISE], "zofed-uncached-tensor": [TENSORWISE],
+               "zofed-cosine-tensor": [CENTRAL, TENSORWISE, "federation.server_optimizer.decay=cosine"],
+               "zofed-beta1-0.5": [CENTRAL, "federation.server_optimizer.beta1=0.5"],
+               "zofed-beta1-ramp": [CENTRAL, "federation.server_optimizer.beta1_start=0.5"],
+               "zofed-features": [CENTRAL, "zo.precondition=features"]}
 
 
 def row_overrides(row: str, trainable: str) -> tuple[list[str], float]:

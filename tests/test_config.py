@@ -69,6 +69,30 @@ def test_a_dumped_federated_config_loads_again_and_resumes(tmp_path):
     assert load_config(None, ["train.steps=200"], schema=FederatedConfig).train.steps == 200
 
 
+def test_an_unset_estimator_is_the_methods_own_and_is_stored_as_such(tmp_path):
+    from zofed.fl.plan import FederationPlan
+
+    def plan(*overrides):
+        cfg = load_config(None, list(overrides), schema=FederatedConfig)
+        return cfg, FederationPlan.from_config(cfg, num_clients=10)
+
+    # zofed: one-sided queries around a shared centre once a step has several queries; one query stays central
+    assert plan("zo.queries=4")[1].estimator == "forward"
+    assert plan("zo.queries=1")[1].estimator == "central"
+    # the baselines run their published central difference; a set estimator wins over any method's default
+    assert plan("zo.queries=4", "federation.method=decomfl")[1].estimator == "central"
+    assert plan("zo.queries=4", "zo.estimator=central")[1].estimator == "central"
+    assert load_config(None, ["zo.queries=4"]).zo.resolved_estimator(None) == "central"  # centralized runs
+    # the stored config names the estimator that ran, so a resume after a default changes names the change
+    cfg, _ = plan("zo.queries=4", f"out_dir={tmp_path}")
+    dump_config(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml", schema=FederatedConfig).zo.estimator == "forward"
+    check_resumed_config(cfg, tmp_path / "config.yaml")
+    central = load_config(None, ["zo.queries=4", "zo.estimator=central", f"out_dir={tmp_path}"], schema=FederatedConfig)
+    with pytest.raises(ConfigError, match=r"zo.estimator \('forward' -> 'central'\)"):
+        check_resumed_config(central, tmp_path / "config.yaml")
+
+
 def test_a_validation_split_is_carved_from_training_data_and_can_stand_in_for_the_test(tiny_workspace, tmp_path):
     """data.validation_examples holds out a seeded split of the training data; evaluate_on: validation makes every
     evaluation read it, so a setting is tuned without the test split."""
