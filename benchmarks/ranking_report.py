@@ -60,6 +60,9 @@ def summary_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+TARGET_SEEDS = 5  # the seeds the learning-speed issue's targets are judged on
+
+
 def comparison_lines(by_row: dict[str, list[dict]]) -> list[str]:
     """zofed against the best ZO baseline of one setting, and the learning-speed issue's targets, from the rows."""
     if "zofed" not in by_row:
@@ -89,19 +92,21 @@ def comparison_lines(by_row: dict[str, list[dict]]) -> list[str]:
     theirs = {r["seed"]: r for r in baselines[best]}
     seeds = sorted(mine.keys() & theirs.keys())
     lines += ["", "Targets (the learning-speed issue, from these rows):", ""]
+    # the targets are set on five seeds: fewer can only say a target is on track
+    met = "met" if len(seeds) >= TARGET_SEEDS else f"met on {len(seeds)} of the {TARGET_SEEDS} seeds so far"
     hits = [reached(mine[s]["curve"], target) for s in seeds]
     spent = float(np.mean([theirs[s]["forward_passes"] for s in seeds]))
     if all(h is not None for h in hits):
         share = float(np.mean(hits)) / spent
         lines.append(f"- Half the compute: zofed reaches {best}'s final subset accuracy at {share:.2f} of {best}'s "
-                     f"{spent:,.0f} passes on average: " + ("met" if share <= 0.5 else f"missed by {share - 0.5:.2f}"))
+                     f"{spent:,.0f} passes on average: " + (met if share <= 0.5 else f"missed by {share - 0.5:.2f}"))
     else:
         lines.append(f"- Half the compute: missed, {sum(h is None for h in hits)} of zofed's {len(hits)} seeds never "
                      f"reach {best}'s final subset accuracy")
     if len(seeds) >= 2:
         diff = np.array([mine[s]["final_accuracy"] - theirs[s]["final_accuracy"] for s in seeds]) * 100
         se = diff.std(ddof=1) / np.sqrt(len(diff))
-        verdict = "met" if diff.mean() >= 2 and diff.mean() >= 2 * se else "missed"
+        verdict = met if diff.mean() >= 2 and diff.mean() >= 2 * se else "missed"
         lines.append(f"- zofed minus {best}, paired over seeds {seeds}: {diff.mean():+.2f} points (standard error "
                      f"{se:.2f}); at least +2 points and two standard errors: {verdict}")
     fedavg = [r for r in by_row.get("fedavg-lora", []) if r["seed"] in zofed_seeds]
