@@ -288,6 +288,25 @@ def export(
 
 
 @app.command()
+def replay(
+    run_dir: Annotated[Path, typer.Argument(help="a federated run directory written by zofed run")],
+) -> None:
+    """Rebuild a federated run's final model from its uplink log alone (no data) and check it against final/."""
+    from zofed.run.replay import replay_run
+    from zofed.run.uplink_log import LogError
+
+    try:
+        done = replay_run(run_dir)
+    except (*_user_errors(), LogError) as err:
+        _fail(str(err))
+    console.print(f"replayed {done.rounds} rounds, {done.uplinks} uplinks; log head {done.head}")
+    if not done.matches:
+        _fail(f"the replayed model differs from {done.final} (largest difference {done.max_abs_difference:.3g}): "
+              "the log does not describe this model")
+    console.print(f"the replayed model equals {done.final} bit for bit")
+
+
+@app.command()
 def methods() -> None:
     """List the registered federated methods (federation.method) and their server optimizer defaults."""
     from zofed.fl.methods import get_method, method_names

@@ -55,6 +55,9 @@ class ServerRole:
         self.aggregator = aggregator or WeightedMean()
         self.clip_norm = clip_norm  # each uplink's scalars (or dense update) clipped to this L2 norm; None: not
         self.last_clipped = 0  # uplinks the last aggregate clipped
+        self.received: list[tuple[int, bytes]] = []  # this round's accepted uplinks as they arrived (the run log)
+        self.last_received: list[tuple[int, bytes]] = []  # ... and the last aggregated round's
+        self.last_rejected: list[tuple[int | None, str]] = []  # the last aggregated round's rejections
         self.agg_state = self.aggregator.init()
         self.num_trainable = sum(t.numel() for t in self.tensors)
         self.method_state = self.method.init_state(self)
@@ -79,7 +82,10 @@ class ServerRole:
         return encode(broadcast(local.round_id, self.tensors, local.to_config(), self.send_state(local, client_id)))
 
     def receive(self, inbox: RoundInbox, local: LocalTraining, client_id: int, data: bytes) -> None:
+        accepted = len(inbox.accepted)
         receive(inbox, data, local.round_id, client_id, local, self.num_trainable, self.method.dense_uplink)
+        if len(inbox.accepted) > accepted:
+            self.received.append((client_id, bytes(data)))
 
     def contribution(self, update: ClientUpdate, local: LocalTraining) -> Contribution:
         """An accepted uplink as the aggregator takes it: dense, or the method's directions."""
@@ -130,6 +136,8 @@ class ServerRole:
             times.append(time.perf_counter())
         self._sent.clear()
         self._steps = None
+        self.last_received, self.received = self.received, []
+        self.last_rejected = list(inbox.rejected)
         phases = ("rebuild", "observe", "optimizer")
         self.last_seconds = {p: b - a for p, a, b in zip(phases, times, times[1:], strict=False)}
 

@@ -33,11 +33,14 @@ from zofed.fl.client import ClientContext
 from zofed.fl.methods import get_method
 from zofed.fl.plan import FEDERATED_OPTIMIZERS, FederationPlan
 from zofed.fl.roles import ClientRole, ServerRole
+from zofed.fl.server_opt import ServerOptimizer
+from zofed.models.selection import TrainableParams
 from zofed.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, write_atomic_text
 from zofed.run.config import ConfigError, FederatedConfig
 from zofed.run.metrics import CLIENT_LISTS, MetricsLog
 from zofed.run.setup import Setup, build, eval_indices, save_final
-from zofed.run.stored_config import check_resumed_config, dump_config, with_prompt_format
+from zofed.run.stored_config import check_resumed_config, config_yaml, dump_config, with_prompt_format
+from zofed.run.uplink_log import LOG_NAME, UplinkLog
 from zofed.sim.engine import simulate
 
 
@@ -93,6 +96,7 @@ class FederatedRun:
     metrics: MetricsLog
     start_round: int
     watch: np.ndarray
+    log: UplinkLog | None = None  # the accepted uplinks, hash-chained (run/uplink_log.py); None: not kept
 
     def client_context(self) -> ClientContext:
         return ClientContext(self.setup.model, self.setup.trainable, self.setup.task, self.setup.train)
@@ -121,6 +125,8 @@ class FederatedRun:
         self.metrics.write({"step": 0, "event": "eval", "round": 0, **{f"eval_{k}": v for k, v in result.items()}})
 
     def checkpoint(self, round_done: int, server: ServerRole) -> None:
+        if self.log is not None:  # logged before the checkpoint: a resume cuts a round it did not save
+            self.log.append(round_done, server.last_received, server.last_rejected)
         trainable = {name: t.view_as(p) for name, t, p in zip(self.setup.trainable.names, server.tensors,
                                                                self.setup.trainable.params, strict=True)}
         save_checkpoint(self.out / "checkpoint", {"trainable": trainable, **server.state_tensors()},
@@ -181,7 +187,9 @@ class FederatedRun:
                    f"{key}_start": start[-1] if start else None,
                    f"{key}_final": evaluated[-1] if evaluated else None,
                    "trainable_parameters": setup.trainable.numel(), "seconds_this_sitting": seconds,
-                   "test_seconds": round(test_seconds, 2), **extra}
+                   "test_seconds": round(test_seconds, 2),
+                   # the hash of the uplink log's last line: what `zofed replay` checks the log against
+                   "uplink_log_head": self.log.prev if self.log is not None else None, **extra}
         write_atomic_text(self.out / "results.json", json.dumps(results, indent=2))
         return results
 
@@ -194,6 +202,19 @@ def make_client_role(config: FederatedConfig, ctx: ClientContext, num_clients: i
     if attack is not None and attack.kind == "label-flip" and not label_names:
         raise ConfigError("attack.kind label-flip needs labelled data; this run's task has no labels")
     return ClientRole(ctx, config.federation.first_order_optimizer, attack, len(label_names or []))
+
+
+def make_server(config: FederatedConfig, trainable: TrainableParams, num_clients: int, pass_fraction: float,
+                optimizer: ServerOptimizer | None = None) -> ServerRole:
+    """The server role of a run, from its config and its starting trainable tensors."""
+    fed = config.federation
+    plan = FederationPlan.from_config(config, num_clients, pass_fraction)
+    try:
+        return ServerRole(plan, trainable.tensors(), trainable.masks,
+                          optimizer or fed.server_optimizer.build(fed.method, fed.rounds),
+                          make_aggregator(fed.aggregator, fed.trim), fed.clip_norm)
+    except ValueError as err:  # the method's own settings that cannot go with the rest (e.g. a tilt without momentum)
+        raise ConfigError(f"federation: {err}") from None
 
 
 def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Console | None = None) -> FederatedRun:
@@ -228,12 +249,8 @@ def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Conso
     plot_partition(setup.train_data, [s.train for s in splits], out / "partition.png",
                    title=f"{fed.partition.scheme} (alpha {fed.partition.alpha}), {len(splits)} clients")
 
-    plan = FederationPlan.from_config(config, len(splits), setup.pass_fraction)
-    try:
-        server = ServerRole(plan, setup.trainable.tensors(), setup.trainable.masks, server_optimizer,
-                            make_aggregator(fed.aggregator, fed.trim), fed.clip_norm)
-    except ValueError as err:  # the method's own settings that cannot go with the rest (e.g. a tilt without momentum)
-        raise ConfigError(f"federation: {err}") from None
+    server = make_server(config, setup.trainable, len(splits), setup.pass_fraction, server_optimizer)
+    plan = server.plan
     metrics = MetricsLog(out / "metrics.jsonl")
     start_round = 0
     if find_checkpoint(out / "checkpoint") is not None:
@@ -243,7 +260,13 @@ def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Conso
         start_round = int(meta["round"])
     metrics.truncate_after(start_round if start_round else -1)  # without a checkpoint all records start over
     watch = eval_indices(config, setup.test)
-    run = FederatedRun(config, out, setup, splits, plan, server, metrics, start_round, watch)
+    if start_round == 0:
+        log = UplinkLog.start(out / LOG_NAME, config_text=config_yaml(config), num_clients=len(splits),
+                              num_classes=len(setup.label_names) if setup.label_names else None,
+                              start_tensors=server.tensors)
+    else:
+        log = UplinkLog.resume(out / LOG_NAME, start_round)
+    run = FederatedRun(config, out, setup, splits, plan, server, metrics, start_round, watch, log)
     if start_round == 0:
         run.evaluate_start()
     return run

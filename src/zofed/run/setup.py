@@ -105,12 +105,25 @@ def load_splits(config: FinetuneConfig) -> tuple[TextDataset, TextDataset]:
 
 def build(config: FinetuneConfig) -> Setup:
     """Data, model, trainable selection and task from the config (shared by centralized and federated runs)."""
-    try:
-        device = resolve_device(config.model.device)  # before the slow loads: a missing GPU fails at once
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    device = run_device(config)  # before the slow loads: a missing GPU fails at once
     train, test = load_splits(config)
     num_classes = len(train.label_names) if train.label_names else None
+    model, trainable, task = build_model(config, num_classes, device)
+    return Setup(config, model, trainable, task, task.encode(train), task.encode(test), train.label_names, train,
+                 prefix_cache(config, model, trainable))
+
+
+def run_device(config: FinetuneConfig) -> torch.device:
+    try:
+        return resolve_device(config.model.device)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def build_model(config: FinetuneConfig, num_classes: int | None,
+                device: torch.device) -> tuple[torch.nn.Module, TrainableParams, Task]:
+    """The model with its starting trainable tensors (and their noise masks), and the task, without any data:
+    what the run's server starts from (`zofed replay` rebuilds it from the config alone)."""
     kind = config.model.kind or ("encoder" if config.task.type == "encoder-classification" else "causal-lm")
     loaded = load_model(config.model.name, kind=kind, num_labels=num_classes if kind == "encoder" else None,
                         head_seed=config.trainable.init_seed)
@@ -129,8 +142,7 @@ def build(config: FinetuneConfig) -> Setup:
     if config.zo.precondition == "features":  # measured on the starting model, before any checkpoint is loaded
         trainable.masks = combine(trainable.masks, feature_noise_scales(model, trainable.names, trainable.params))
     task.device = device
-    return Setup(config, model, trainable, task, task.encode(train), task.encode(test), train.label_names, train,
-                 prefix_cache(config, model, trainable))
+    return model, trainable, task
 
 
 def prefix_cache(config: FinetuneConfig, model: torch.nn.Module, trainable: TrainableParams) -> PrefixCache | None:

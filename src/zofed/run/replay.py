@@ -1,0 +1,76 @@
+"""`zofed replay RUN_DIR`: rebuild a federated run's final model from its uplink log alone, and check it.
+
+The replay reads no data and trains nothing: it rebuilds the starting trainable tensors from the model the logged
+config names (checked against the logged hash), then runs the server's side of every logged round, sampling,
+each client's state, validation of the logged uplinks, aggregation and the server step, exactly as the run's
+server did. The result is compared bit for bit with the run's `final/` tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from zofed.fl.server import RoundInbox
+from zofed.run.config import ConfigError, FederatedConfig
+from zofed.run.federated import make_server
+from zofed.run.setup import build_model, prefix_cache
+from zofed.run.uplink_log import LOG_NAME, LogError, read_log, tensors_sha256
+
+
+@dataclass(frozen=True)
+class Replay:
+    rounds: int
+    uplinks: int
+    head: str  # the hash of the log's last line
+    matches: bool  # the replayed tensors equal final/ bit for bit
+    max_abs_difference: float
+    final: Path
+
+
+def replay_run(run_dir: str | Path) -> Replay:
+    run_dir = Path(run_dir)
+    header, rounds, head = read_log(run_dir / LOG_NAME)
+    try:
+        config = FederatedConfig.model_validate(yaml.safe_load(header["config"]))
+    except Exception as err:  # noqa: BLE001 - a header whose config does not load is a bad log, whatever the cause
+        raise LogError(f"{run_dir / LOG_NAME}: the logged config does not load ({err})") from None
+    final = run_dir / "final" / "trainable.safetensors"
+    if not final.is_file():
+        raise ConfigError(f"{run_dir} has no final/trainable.safetensors to check a replay against: the run has "
+                          "not finished")
+    model, trainable, _ = build_model(config, header["num_classes"], torch.device("cpu"))
+    if tensors_sha256(trainable.tensors()) != header["start_sha256"]:
+        raise LogError(f"the starting tensors rebuilt from {config.model.name} differ from the ones the run "
+                       "logged: another model, or other weights under the same name")
+    cache = prefix_cache(config, model, trainable)
+    server = make_server(config, trainable, int(header["num_clients"]), cache.fraction if cache else 1.0)
+    count = 0
+    for logged in rounds:
+        round_id = logged.round - 1
+        local = server.round_plan(round_id)
+        sampled = set(server.sample(round_id))
+        for client_id, _ in logged.uplinks:
+            if client_id not in sampled:
+                raise LogError(f"round {logged.round}: client {client_id} was not sampled that round")
+        for client_id in sorted(sampled):  # the method's state for each sampled client, as the run sent it
+            server.send_state(local, client_id)
+        inbox = RoundInbox()
+        for client_id, data in logged.uplinks:
+            server.receive(inbox, local, client_id, data)
+        if inbox.rejected:
+            raise LogError(f"round {logged.round}: logged uplinks the server refuses on replay: {inbox.rejected}")
+        server.aggregate(local, inbox)
+        count += len(logged.uplinks)
+    saved = load_file(str(final))
+    replayed = {name: t.view_as(p) for name, t, p in zip(trainable.names, server.tensors, trainable.params,
+                                                          strict=True)}
+    if set(saved) != set(replayed):
+        raise LogError(f"final/ holds other tensors ({sorted(saved)[:3]}...) than the logged run trains")
+    diff = max(float((saved[k].float() - replayed[k].float()).abs().max()) for k in saved) if saved else 0.0
+    matches = all(torch.equal(saved[k], replayed[k].to(saved[k].dtype)) for k in saved)
+    return Replay(len(rounds), count, head, matches, diff, final)

@@ -1,0 +1,135 @@
+"""The run's uplink log (`uplinks.jsonl`): what a federated run's server accepted, round by round, chained by hashes.
+
+A federated model is a function of its starting weights, the server's settings and the uplinks it accepted: the
+server's sampling, each client's state and the aggregation are all derived from seeds. So the log holds exactly
+those, append-only, one JSON line each:
+
+- line 1, the header: the run's config (as its `config.yaml` holds it), the numbers of clients and classes (all
+  the server needs of the data) and the SHA-256 of the starting trainable tensors;
+- then one line per round: the round, the SHA-256 of the line before it, each accepted uplink's bytes (base64)
+  with its client, and the rejected uplinks' reasons.
+
+`zofed replay RUN_DIR` (run/replay.py) rebuilds the final model from the log alone: a third party can verify
+what a federation trained without any client's data. Changing any byte of a line breaks the next line's hash.
+A resumed run cuts the log back to the rounds its checkpoint holds and appends from there.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+LOG_NAME = "uplinks.jsonl"
+FORMAT = "zofed-uplinks/1"
+
+
+class LogError(ValueError):
+    """An uplink log that cannot be trusted or read; the message names the line."""
+
+
+def tensors_sha256(tensors: Sequence[torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for t in tensors:
+        digest.update(np.ascontiguousarray(t.detach().cpu().to(torch.float32).numpy()).tobytes())
+    return digest.hexdigest()
+
+
+def _line(record: dict[str, Any]) -> str:
+    return json.dumps(record, sort_keys=True, separators=(",", ":"))
+
+
+def _sha(line: str) -> str:
+    return hashlib.sha256(line.encode("utf-8")).hexdigest()
+
+
+@dataclass
+class UplinkLog:
+    """An open log: where it is and the hash the next round's line carries."""
+
+    path: Path
+    prev: str
+
+    @classmethod
+    def start(cls, path: Path, *, config_text: str, num_clients: int, num_classes: int | None,
+              start_tensors: Sequence[torch.Tensor]) -> UplinkLog:
+        header = _line({"format": FORMAT, "config": config_text, "num_clients": num_clients,
+                        "num_classes": num_classes, "start_sha256": tensors_sha256(start_tensors)})
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(header + "\n")
+        tmp.replace(path)
+        return cls(path, _sha(header))
+
+    @classmethod
+    def resume(cls, path: Path, rounds_done: int) -> UplinkLog | None:
+        """The log cut back to the rounds a checkpoint holds (a crash may have logged a round it did not save);
+        None when the run has no log to continue (it was started without one, or it is shorter than the
+        checkpoint): the run then goes on without a log, and `zofed replay` refuses it."""
+        if not path.is_file():
+            return None
+        lines = path.read_text().splitlines()
+        if len(lines) < rounds_done + 1:
+            return None
+        kept = lines[: rounds_done + 1]
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(path)
+        return cls(path, _sha(kept[-1]))
+
+    def append(self, round_done: int, uplinks: Sequence[tuple[int, bytes]],
+               rejected: Sequence[tuple[int | None, str]]) -> None:
+        line = _line({"round": round_done, "prev": self.prev,
+                      "uplinks": [[int(c), base64.b64encode(data).decode("ascii")] for c, data in uplinks],
+                      "rejected": [[c, reason] for c, reason in rejected]})
+        with self.path.open("a") as f:
+            f.write(line + "\n")
+            f.flush()
+        self.prev = _sha(line)
+
+
+@dataclass(frozen=True)
+class LoggedRound:
+    round: int
+    uplinks: list[tuple[int, bytes]]
+    rejected: list[tuple[int | None, str]]
+
+
+def read_log(path: Path) -> tuple[dict[str, Any], list[LoggedRound], str]:
+    """The header, the rounds and the hash of the last line, after checking every line's hash link and round
+    number."""
+    if not path.is_file():
+        raise LogError(f"{path.parent} has no uplink log ({path.name}): the run was made without one, or by a "
+                       "zofed that did not write it")
+    lines = path.read_text().splitlines()
+    if not lines:
+        raise LogError(f"{path} is empty")
+    try:
+        header = json.loads(lines[0])
+    except json.JSONDecodeError as err:
+        raise LogError(f"{path}, line 1: not JSON ({err})") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise LogError(f"{path}, line 1: not a {FORMAT} header")
+    rounds, prev = [], _sha(lines[0])
+    for number, line in enumerate(lines[1:], start=2):
+        try:
+            record = json.loads(line)
+            uplinks = [(int(c), base64.b64decode(data, validate=True)) for c, data in record["uplinks"]]
+            rejected = [(c, str(reason)) for c, reason in record["rejected"]]
+            round_done = int(record["round"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+            raise LogError(f"{path}, line {number}: not a round record ({err})") from None
+        if record.get("prev") != prev:
+            raise LogError(f"{path}, line {number} (round {round_done}): its hash link does not match line "
+                           f"{number - 1}: the log was changed after it was written")
+        if round_done != number - 1:
+            raise LogError(f"{path}, line {number}: round {round_done}, expected {number - 1}")
+        rounds.append(LoggedRound(round_done, uplinks, rejected))
+        prev = _sha(line)
+    return header, rounds, prev

@@ -1,0 +1,65 @@
+"""The uplink log and `zofed replay`: a federated run's final model rebuilt from its log alone, bit for bit, a
+changed log caught, and a resumed run's log cut back to its checkpoint."""
+
+import json
+
+import pytest
+from toy_federation import tiny_federated_config
+from typer.testing import CliRunner
+
+from zofed.cli import app
+from zofed.run.federated import run_federated
+from zofed.run.replay import replay_run
+from zofed.run.uplink_log import LOG_NAME, LogError, read_log
+
+
+def test_a_run_replays_from_its_log_bit_for_bit(tiny_workspace, tmp_path):
+    out = tmp_path / "run"
+    results = run_federated(tiny_federated_config(tiny_workspace, out), show_progress=False)  # zofed, 3 rounds
+    header, rounds, head = read_log(out / LOG_NAME)
+    assert header["num_clients"] == 4 and [r.round for r in rounds] == [1, 2, 3]
+    assert all(len(r.uplinks) == 2 and not r.rejected for r in rounds)
+    assert results["uplink_log_head"] == head
+    shown = CliRunner().invoke(app, ["replay", str(out)])
+    assert shown.exit_code == 0, shown.output
+    assert "replayed 3 rounds, 6 uplinks" in shown.output and "bit for bit" in shown.output
+    assert head in shown.output.replace("\n", "")
+
+
+def test_a_changed_log_is_caught(tiny_workspace, tmp_path):
+    out = tmp_path / "run"
+    run_federated(tiny_federated_config(tiny_workspace, out, "federation.method=zo-seeds"), show_progress=False)
+    lines = (out / LOG_NAME).read_text().splitlines()
+    record = json.loads(lines[1])
+    record["uplinks"] = record["uplinks"][:1]  # the server drops one client's round from the record
+    (out / LOG_NAME).write_text("\n".join([lines[0], json.dumps(record), *lines[2:]]) + "\n")
+    with pytest.raises(LogError, match=r"line 3 \(round 2\): its hash link does not match line 2"):
+        replay_run(out)
+    # the same change in the last round breaks no link, but the replayed model is no longer the final one
+    record = json.loads(lines[3])
+    record["uplinks"] = record["uplinks"][:1]
+    (out / LOG_NAME).write_text("\n".join([*lines[:3], json.dumps(record, sort_keys=True,
+                                                                    separators=(",", ":"))]) + "\n")
+    done = replay_run(out)
+    assert not done.matches and done.max_abs_difference > 0
+    shown = CliRunner().invoke(app, ["replay", str(out)])
+    assert shown.exit_code == 2 and "does not describe this model" in shown.output
+    (out / LOG_NAME).unlink()
+    with pytest.raises(LogError, match="has no uplink log"):
+        replay_run(out)
+
+
+def test_a_resumed_run_cuts_its_log_back_to_the_checkpoint_and_replays(tiny_workspace, tmp_path):
+    out = tmp_path / "run"
+    run_federated(tiny_federated_config(tiny_workspace, out, "federation.rounds=1", "federation.aggregator=median",
+                                        "federation.clip_norm=0.5", "attack.kind=scale", "attack.fraction=0.25"),
+                  show_progress=False)
+    with (out / LOG_NAME).open("a") as f:  # a round logged by a sitting that crashed before its checkpoint
+        f.write('{"round": 2, "prev": "x", "uplinks": [], "rejected": []}\n')
+    run_federated(tiny_federated_config(tiny_workspace, out, "federation.rounds=3", "federation.aggregator=median",
+                                        "federation.clip_norm=0.5", "attack.kind=scale", "attack.fraction=0.25"),
+                  resume=True, show_progress=False)
+    _, rounds, _ = read_log(out / LOG_NAME)
+    assert [r.round for r in rounds] == [1, 2, 3]
+    done = replay_run(out)  # the server's settings (median, clipping) are the logged config's
+    assert done.matches and done.rounds == 3
