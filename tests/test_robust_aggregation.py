@@ -14,6 +14,7 @@ from zofed.fl.protocol import ClientUpdate, encode
 from zofed.fl.roles import ServerRole
 from zofed.fl.server import RoundInbox
 from zofed.fl.server_opt import make_server_optimizer
+from zofed.run.config import ConfigError
 from zofed.run.federated import run_federated
 
 SIZES = (30, 12, 50)
@@ -117,3 +118,67 @@ def test_a_run_with_a_robust_aggregator_and_clipping_records_the_clipped_uplinks
     run_federated(plain, show_progress=False)
     plain_rounds = [json.loads(x) for x in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()]
     assert all("clipped" not in r for r in plain_rounds)
+
+
+def test_screening_refuses_the_updates_scored_above_the_threshold():
+    def by_size(tensors, updates):  # a stand-in score: the update's largest value
+        return [max(float(d.abs().max()) for d in update) for update in updates]
+
+    honest_move = _server_round(WeightedMean(), attacker_scale=1.0)[0]
+    gen = torch.Generator().manual_seed(0)
+    plan = FederationPlan("zo-seeds", 5, 5, 3, lr=0.1, eps=1e-2, run_seed=3)
+    server = ServerRole(plan, [torch.randn(n, generator=gen) for n in SIZES], None, make_server_optimizer("sgd", 1.0),
+                        WeightedMean(), None, (by_size, 5.0))
+    local, inbox = server.round_plan(0), RoundInbox()
+    rng = np.random.default_rng(0)
+    clients = server.sample(0)
+    for c in clients:
+        server.send_state(local, c)
+        grads = rng.choice([-1.0, 1.0], size=(3, 1)).astype(np.float32) * (100 if c == clients[-1] else 1)
+        server.receive(inbox, local, c, encode(ClientUpdate(0, c, np.zeros(0, np.uint64),
+                                                            server.method.step_seeds(local, c).base_seed, grads,
+                                                            10, {})))
+    start = [t.clone() for t in server.tensors]
+    server.aggregate(local, inbox)
+    assert server.last_screened == 1 and len(inbox.accepted) == 4
+    assert inbox.rejected[0][0] == clients[-1] and inbox.rejected[0][1].startswith("screened: probe loss change +")
+    assert [c for c, _ in server.last_received] == clients[:-1]  # the log keeps only what was aggregated
+    moved = _flat([t - s for t, s in zip(server.tensors, start, strict=True)])
+    assert np.linalg.norm(moved) < 2 * np.linalg.norm(honest_move)
+
+
+def test_the_probe_screen_scores_loss_changes_and_leaves_the_model_as_it_was(tiny_workspace, tmp_path):
+    from zofed.run.screening import probe_loss_screen
+    from zofed.run.setup import build
+
+    setup = build(tiny_federated_config(tiny_workspace, tmp_path / "s"))
+    before = [t.clone() for t in setup.trainable.tensors()]
+    score, threshold = probe_loss_screen(setup, 16, 0, 0.1)
+    tensors = [t + 0.01 for t in before]  # a global model elsewhere than the clients' replica
+    updates = [[torch.zeros_like(t) for t in before], [torch.full_like(t, 0.5) for t in before]]
+    changes = score(tensors, updates)
+    assert threshold == 0.1 and changes[0] == 0.0 and changes[1] != 0.0
+    assert all(torch.equal(a, b) for a, b in zip(setup.trainable.tensors(), before, strict=True))
+
+
+def test_a_screened_run_records_what_it_refused_and_replays(tiny_workspace, tmp_path):
+    from zofed.run.replay import replay_run
+
+    def run(out, *extra):
+        config = tiny_federated_config(tiny_workspace, out, "federation.method=zo-seeds", *extra)
+        run_federated(config, show_progress=False)
+        return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["event"] == "round"]
+
+    refused = run(tmp_path / "all", "federation.screen_threshold=-1e9")  # every update raises the loss by more
+    assert [(r["screened"], r["accepted"], len(r["rejected"])) for r in refused] == [(2, 0, 2)] * 3
+    assert replay_run(tmp_path / "all").matches
+    passed = run(tmp_path / "none", "federation.screen_threshold=1e9", "federation.screen_examples=8")
+    assert [(r["screened"], r["accepted"]) for r in passed] == [(0, 2)] * 3
+    run(tmp_path / "plain")
+    from safetensors.torch import load_file
+
+    a = load_file(tmp_path / "none/final/trainable.safetensors")
+    b = load_file(tmp_path / "plain/final/trainable.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)  # a screen that passes everything changes nothing
+    with pytest.raises(ConfigError, match="screen_examples is a setting of screening"):
+        tiny_federated_config(tiny_workspace, tmp_path / "bad", "federation.screen_examples=8")

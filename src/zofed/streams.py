@@ -23,6 +23,7 @@ here, with a tag no other stream can take:
 | partition               | partition.seed (data/partition.py)              | the client split, each client's test  |
 | attackers               | [run seed, ATTACKERS]                           | which clients attack (attack.fraction)|
 | attack noise            | [run seed, ATTACK_NOISE, round, client]         | a random-scalars attacker's scalars   |
+| probe set               | [run seed, PROBE_SET]                           | the server's screening examples       |
 
 Tags sit far above any round, client or step index (those are below 2**32), so no two streams of a run meet.
 The data streams are plain integer seeds, kept as they were so existing splits and subsets stay the same: the
@@ -41,6 +42,7 @@ VALIDATION = 2**32 + 13  # second entry of the validation split's stream
 BLOCK_DRAW = 2**41  # derive_seed slot of zofed's block draw, apart from the noise's own use of a step seed
 ATTACKERS = 2**32 + 17  # second entry of the attackers' stream
 ATTACK_NOISE = 2**32 + 19  # second entry of a random-scalars attacker's stream
+PROBE_SET = 2**32 + 23  # second entry of the screening probe set's stream
 
 
 def client_sampling(run_seed: int, round_id: int) -> np.random.Generator:
@@ -85,3 +87,7 @@ def attackers(seed: int) -> np.random.Generator:
 
 def attack_noise(seed: int, round_id: int, client_id: int) -> np.random.Generator:
     return np.random.default_rng([seed, ATTACK_NOISE, round_id, client_id])
+
+
+def probe_set(seed: int) -> np.random.Generator:
+    return np.random.default_rng([seed, PROBE_SET])

@@ -14,7 +14,7 @@ server's whole state (global tensors, optimizer, aggregator and method state) is
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -33,6 +33,9 @@ from zofed.fl.server import RoundInbox, broadcast, rebuild_client_update, receiv
 from zofed.fl.server_opt import ServerOptimizer, make_server_optimizer
 from zofed.zo.optim import OptState
 
+# (score function, threshold): score(global tensors, each client's rebuilt update) -> one float per update
+Screen = tuple[Callable[[Sequence[torch.Tensor], list[list[torch.Tensor]]], list[float]], float]
+
 
 def sample_clients(run_seed: int, round_id: int, num_clients: int, per_round: int) -> list[int]:
     rng = streams.client_sampling(run_seed, round_id)
@@ -45,7 +48,7 @@ class ServerRole:
 
     def __init__(self, plan: FederationPlan, tensors: Sequence[torch.Tensor],
                  masks: Sequence[torch.Tensor | None] | None = None, optimizer: ServerOptimizer | None = None,
-                 aggregator: Any = None, clip_norm: float | None = None) -> None:
+                 aggregator: Any = None, clip_norm: float | None = None, screen: Screen | None = None) -> None:
         self.plan = plan
         self.method = get_method(plan.method)
         self.tensors = [t.detach().to("cpu", copy=True) for t in tensors]  # the server computes on the CPU
@@ -55,6 +58,10 @@ class ServerRole:
         self.aggregator = aggregator or WeightedMean()
         self.clip_norm = clip_norm  # each uplink's scalars (or dense update) clipped to this L2 norm; None: not
         self.last_clipped = 0  # uplinks the last aggregate clipped
+        # (global tensors, each client's rebuilt update) -> each update's score, and the score above which an
+        # update is refused: the run's probe-set loss change (screening.py); None: every valid uplink counts
+        self.screen = screen
+        self.last_screened = 0  # uplinks the last aggregate refused on their score
         self.received: list[tuple[int, bytes]] = []  # this round's accepted uplinks as they arrived (the run log)
         self.last_received: list[tuple[int, bytes]] = []  # ... and the last aggregated round's
         self.last_rejected: list[tuple[int | None, str]] = []  # the last aggregated round's rejections
@@ -122,6 +129,9 @@ class ServerRole:
             clipped = [clip_update(u, self.clip_norm) for u in inbox.accepted]
             inbox.accepted[:] = [u for u, _ in clipped]
             self.last_clipped = sum(hit for _, hit in clipped)
+        self.last_screened = 0
+        if self.screen is not None and inbox.accepted:
+            self._screen(local, inbox)
         if inbox.accepted:
             pooled = self.pooled_terms(local, inbox.accepted)
             if pooled is not None:  # the round summed on arrays: no per-client objects (pooled.py)
@@ -140,6 +150,20 @@ class ServerRole:
         self.last_rejected = list(inbox.rejected)
         phases = ("rebuild", "observe", "optimizer")
         self.last_seconds = {p: b - a for p, a, b in zip(phases, times, times[1:], strict=False)}
+
+    def _screen(self, local: LocalTraining, inbox: RoundInbox) -> None:
+        """Refuse the updates whose score is above the screen's threshold, as rejected uplinks with their score:
+        nothing after this (the aggregator, the method's probes, the uplink log) sees them."""
+        score, threshold = self.screen
+        updates = [self.contribution(u, local).rebuild(self.tensors) for u in inbox.accepted]
+        scores = score(self.tensors, updates)
+        keep = [s <= threshold for s in scores]
+        for update, kept, s in zip(inbox.accepted, keep, scores, strict=True):
+            if not kept:
+                inbox.rejected.append((update.client_id, f"screened: probe loss change {s:+.4g} > {threshold:g}"))
+        inbox.accepted[:] = [u for u, k in zip(inbox.accepted, keep, strict=True) if k]
+        self.received = [r for r, k in zip(self.received, keep, strict=True) if k]
+        self.last_screened = keep.count(False)
 
     def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """The server's state besides the global tensors, as checkpoint files of named tensors."""

@@ -80,6 +80,10 @@ def run_round(server: ServerRole, round_id: int, deliver: Deliver, *, min_accept
     server.aggregate(local, inbox)
     if server.clip_norm is not None:
         record["clipped"] = server.last_clipped
+    if server.screen is not None:  # screened uplinks count as rejected
+        record["screened"] = server.last_screened
+        record["accepted"] = len(inbox.accepted)
+        record["rejected"] = [{"client": c, "reason": r} for c, r in inbox.rejected]
     record.update(round_seconds=round(time.perf_counter() - t0, 3),
                   aggregate_seconds=round(sum(server.last_seconds.values()), 4), peak_rss_mib=peak_rss_mib())
     return record

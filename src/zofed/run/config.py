@@ -216,6 +216,10 @@ class FederationSection(_Section):
     # Each accepted uplink's numbers (its scalars, or a dense update) are scaled down to at most this L2 norm
     # before they are aggregated: the bound on how far one client can move a round. None: no bound.
     clip_norm: float | None = Field(None, gt=0)
+    # Screening (run/screening.py): an update that raises the loss on the server's probe examples by more than
+    # this is refused, as a rejected uplink. None: no screening.
+    screen_threshold: float | None = None
+    screen_examples: int = Field(32, ge=1)  # the probe examples (a seeded sample of the training data)
     partition: PartitionConfig = Field(default_factory=PartitionConfig)
     server_optimizer: ServerOptimizerSection = Field(default_factory=ServerOptimizerSection)
     sampling: SamplingSection = Field(default_factory=SamplingSection)
@@ -233,6 +237,13 @@ class FederationSection(_Section):
         if name not in AGGREGATORS:
             raise ValueError(f"unknown aggregator {name!r}; choose one of {', '.join(AGGREGATORS)}")
         return name
+
+    @model_validator(mode="after")
+    def _screen_examples_only_when_screening(self) -> FederationSection:
+        if self.screen_threshold is None and self.screen_examples != FederationSection.model_fields[
+                "screen_examples"].default:
+            raise ValueError("federation.screen_examples is a setting of screening: set federation.screen_threshold")
+        return self
 
     @model_validator(mode="after")
     def _trim_only_where_read(self) -> FederationSection:

@@ -32,12 +32,13 @@ from zofed.fl.attacks import Attack
 from zofed.fl.client import ClientContext
 from zofed.fl.methods import get_method
 from zofed.fl.plan import FEDERATED_OPTIMIZERS, FederationPlan
-from zofed.fl.roles import ClientRole, ServerRole
+from zofed.fl.roles import ClientRole, Screen, ServerRole
 from zofed.fl.server_opt import ServerOptimizer
 from zofed.models.selection import TrainableParams
 from zofed.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, write_atomic_text
 from zofed.run.config import ConfigError, FederatedConfig
 from zofed.run.metrics import CLIENT_LISTS, MetricsLog
+from zofed.run.screening import probe_loss_screen
 from zofed.run.setup import Setup, build, eval_indices, save_final
 from zofed.run.stored_config import check_resumed_config, config_yaml, dump_config, with_prompt_format
 from zofed.run.uplink_log import LOG_NAME, UplinkLog
@@ -205,14 +206,15 @@ def make_client_role(config: FederatedConfig, ctx: ClientContext, num_clients: i
 
 
 def make_server(config: FederatedConfig, trainable: TrainableParams, num_clients: int, pass_fraction: float,
-                optimizer: ServerOptimizer | None = None) -> ServerRole:
-    """The server role of a run, from its config and its starting trainable tensors."""
+                optimizer: ServerOptimizer | None = None, screen: Screen | None = None) -> ServerRole:
+    """The server role of a run, from its config and its starting trainable tensors (and the run's screen, which
+    needs the model and probe data: a replay leaves it out, as its log holds only the updates that passed)."""
     fed = config.federation
     plan = FederationPlan.from_config(config, num_clients, pass_fraction)
     try:
         return ServerRole(plan, trainable.tensors(), trainable.masks,
                           optimizer or fed.server_optimizer.build(fed.method, fed.rounds),
-                          make_aggregator(fed.aggregator, fed.trim), fed.clip_norm)
+                          make_aggregator(fed.aggregator, fed.trim), fed.clip_norm, screen)
     except ValueError as err:  # the method's own settings that cannot go with the rest (e.g. a tilt without momentum)
         raise ConfigError(f"federation: {err}") from None
 
@@ -249,7 +251,9 @@ def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Conso
     plot_partition(setup.train_data, [s.train for s in splits], out / "partition.png",
                    title=f"{fed.partition.scheme} (alpha {fed.partition.alpha}), {len(splits)} clients")
 
-    server = make_server(config, setup.trainable, len(splits), setup.pass_fraction, server_optimizer)
+    screen = None if fed.screen_threshold is None else probe_loss_screen(
+        setup, fed.screen_examples, config.train.seed, fed.screen_threshold)
+    server = make_server(config, setup.trainable, len(splits), setup.pass_fraction, server_optimizer, screen)
     plan = server.plan
     metrics = MetricsLog(out / "metrics.jsonl")
     start_round = 0
