@@ -24,6 +24,7 @@ here, with a tag no other stream can take:
 | attackers               | [run seed, ATTACKERS]                           | which clients attack (attack.fraction)|
 | attack noise            | [run seed, ATTACK_NOISE, round, client]         | a random-scalars attacker's scalars   |
 | probe set               | [run seed, PROBE_SET]                           | the server's screening examples       |
+| DP noise                | [run seed, DP_NOISE, round, client]             | the Gaussian noise on an uplink       |
 
 Tags sit far above any round, client or step index (those are below 2**32), so no two streams of a run meet.
 The data streams are plain integer seeds, kept as they were so existing splits and subsets stay the same: the
@@ -43,6 +44,7 @@ BLOCK_DRAW = 2**41  # derive_seed slot of zofed's block draw, apart from the noi
 ATTACKERS = 2**32 + 17  # second entry of the attackers' stream
 ATTACK_NOISE = 2**32 + 19  # second entry of a random-scalars attacker's stream
 PROBE_SET = 2**32 + 23  # second entry of the screening probe set's stream
+DP_NOISE = 2**32 + 29  # second entry of the differential-privacy noise's stream
 
 
 def client_sampling(run_seed: int, round_id: int) -> np.random.Generator:
@@ -91,3 +93,7 @@ def attack_noise(seed: int, round_id: int, client_id: int) -> np.random.Generato
 
 def probe_set(seed: int) -> np.random.Generator:
     return np.random.default_rng([seed, PROBE_SET])
+
+
+def dp_noise(seed: int, round_id: int, client_id: int) -> np.random.Generator:
+    return np.random.default_rng([seed, DP_NOISE, round_id, client_id])

@@ -28,6 +28,7 @@ from zofed.fl.client import ClientContext, load_tensors_
 from zofed.fl.methods import get_method
 from zofed.fl.plan import FederationPlan, LocalTraining
 from zofed.fl.pooled import PooledTerms, RoundSteps
+from zofed.fl.privacy import add_noise
 from zofed.fl.protocol import ClientUpdate, ServerBroadcast, decode, encode
 from zofed.fl.server import RoundInbox, broadcast, rebuild_client_update, receive, unflatten
 from zofed.fl.server_opt import ServerOptimizer, make_server_optimizer
@@ -48,7 +49,8 @@ class ServerRole:
 
     def __init__(self, plan: FederationPlan, tensors: Sequence[torch.Tensor],
                  masks: Sequence[torch.Tensor | None] | None = None, optimizer: ServerOptimizer | None = None,
-                 aggregator: Any = None, clip_norm: float | None = None, screen: Screen | None = None) -> None:
+                 aggregator: Any = None, clip_norm: float | None = None, screen: Screen | None = None,
+                 dp_noise: float | None = None, dp_delta: float = 1e-5) -> None:
         self.plan = plan
         self.method = get_method(plan.method)
         self.tensors = [t.detach().to("cpu", copy=True) for t in tensors]  # the server computes on the CPU
@@ -61,6 +63,10 @@ class ServerRole:
         # (global tensors, each client's rebuilt update) -> each update's score, and the score above which an
         # update is refused: the run's probe-set loss change (screening.py); None: every valid uplink counts
         self.screen = screen
+        self.dp_noise = dp_noise  # Gaussian noise of dp_noise x clip_norm on each clipped uplink's numbers (privacy.py)
+        self.dp_delta = dp_delta  # the delta each round's epsilon is reported for
+        if dp_noise is not None and clip_norm is None:
+            raise ValueError("differential privacy needs a clip norm: the noise is sized by it")
         self.last_screened = 0  # uplinks the last aggregate refused on their score
         self.received: list[tuple[int, bytes]] = []  # this round's accepted uplinks as they arrived (the run log)
         self.last_received: list[tuple[int, bytes]] = []  # ... and the last aggregated round's
@@ -129,6 +135,9 @@ class ServerRole:
             clipped = [clip_update(u, self.clip_norm) for u in inbox.accepted]
             inbox.accepted[:] = [u for u, _ in clipped]
             self.last_clipped = sum(hit for _, hit in clipped)
+        if self.dp_noise is not None:  # after clipping, before anything reads the numbers
+            inbox.accepted[:] = [add_noise(u, self.dp_noise, self.clip_norm, self.plan.run_seed, local.round_id)
+                                 for u in inbox.accepted]
         self.last_screened = 0
         if self.screen is not None and inbox.accepted:
             self._screen(local, inbox)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from zofed.fl.privacy import epsilon_spent
 from zofed.fl.roles import ServerRole
 from zofed.fl.server import RoundInbox
 
@@ -80,6 +81,10 @@ def run_round(server: ServerRole, round_id: int, deliver: Deliver, *, min_accept
     server.aggregate(local, inbox)
     if server.clip_norm is not None:
         record["clipped"] = server.last_clipped
+    if server.dp_noise is not None:  # the privacy spent so far, for the delta the run set
+        plan = server.plan
+        record["dp_epsilon"] = epsilon_spent(server.dp_noise, plan.num_clients, plan.clients_per_round, round_id + 1,
+                                             server.dp_delta)
     if server.screen is not None:  # screened uplinks count as rejected
         record["screened"] = server.last_screened
         record["accepted"] = len(inbox.accepted)

@@ -220,6 +220,10 @@ class FederationSection(_Section):
     # this is refused, as a rejected uplink. None: no screening.
     screen_threshold: float | None = None
     screen_examples: int = Field(32, ge=1)  # the probe examples (a seeded sample of the training data)
+    # Client-level differential privacy (fl/privacy.py): every clipped uplink gets Gaussian noise of dp_noise x
+    # clip_norm on each number; each round records the epsilon spent so far for dp_delta. None: no noise.
+    dp_noise: float | None = Field(None, gt=0)
+    dp_delta: float = Field(1e-5, gt=0, lt=1)
     partition: PartitionConfig = Field(default_factory=PartitionConfig)
     server_optimizer: ServerOptimizerSection = Field(default_factory=ServerOptimizerSection)
     sampling: SamplingSection = Field(default_factory=SamplingSection)
@@ -237,6 +241,14 @@ class FederationSection(_Section):
         if name not in AGGREGATORS:
             raise ValueError(f"unknown aggregator {name!r}; choose one of {', '.join(AGGREGATORS)}")
         return name
+
+    @model_validator(mode="after")
+    def _privacy_settings(self) -> FederationSection:
+        if self.dp_noise is not None and self.clip_norm is None:
+            raise ValueError("federation.dp_noise needs federation.clip_norm: the noise is sized by the clip norm")
+        if self.dp_noise is None and self.dp_delta != FederationSection.model_fields["dp_delta"].default:
+            raise ValueError("federation.dp_delta is a setting of differential privacy: set federation.dp_noise")
+        return self
 
     @model_validator(mode="after")
     def _screen_examples_only_when_screening(self) -> FederationSection:

@@ -191,6 +191,8 @@ class FederatedRun:
                    "test_seconds": round(test_seconds, 2),
                    # the hash of the uplink log's last line: what `zofed replay` checks the log against
                    "uplink_log_head": self.log.prev if self.log is not None else None, **extra}
+        if fed.dp_noise is not None and history:  # the privacy the whole run spent
+            results.update(dp_epsilon=history[-1]["dp_epsilon"], dp_delta=fed.dp_delta)
         write_atomic_text(self.out / "results.json", json.dumps(results, indent=2))
         return results
 
@@ -214,7 +216,8 @@ def make_server(config: FederatedConfig, trainable: TrainableParams, num_clients
     try:
         return ServerRole(plan, trainable.tensors(), trainable.masks,
                           optimizer or fed.server_optimizer.build(fed.method, fed.rounds),
-                          make_aggregator(fed.aggregator, fed.trim), fed.clip_norm, screen)
+                          make_aggregator(fed.aggregator, fed.trim), fed.clip_norm, screen, fed.dp_noise,
+                          fed.dp_delta)
     except ValueError as err:  # the method's own settings that cannot go with the rest (e.g. a tilt without momentum)
         raise ConfigError(f"federation: {err}") from None
 
