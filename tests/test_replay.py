@@ -47,6 +47,10 @@ def test_a_changed_log_is_caught(tiny_workspace, tmp_path):
     (out / LOG_NAME).unlink()
     with pytest.raises(LogError, match="has no uplink log"):
         replay_run(out)
+    unlogged = tmp_path / "unlogged"
+    config = tiny_federated_config(tiny_workspace, unlogged, "federation.rounds=1", "federation.log_uplinks=false")
+    run_federated(config, show_progress=False)
+    assert not (unlogged / LOG_NAME).exists()
 
 
 def test_a_resumed_run_cuts_its_log_back_to_the_checkpoint_and_replays(tiny_workspace, tmp_path):

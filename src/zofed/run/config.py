@@ -228,6 +228,9 @@ class FederationSection(_Section):
     server_optimizer: ServerOptimizerSection = Field(default_factory=ServerOptimizerSection)
     sampling: SamplingSection = Field(default_factory=SamplingSection)
     eval_every: int = Field(1, ge=1)  # rounds between evaluations on the fixed test subset
+    # Append every accepted uplink, hash-chained, to the run's uplinks.jsonl (run/uplink_log.py, `zofed replay`).
+    # A ZO uplink is a few hundred bytes; a dense one (fedavg, fedadam) holds the whole update.
+    log_uplinks: bool = True
 
     @field_validator("method")
     @classmethod

@@ -267,7 +267,9 @@ def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Conso
         start_round = int(meta["round"])
     metrics.truncate_after(start_round if start_round else -1)  # without a checkpoint all records start over
     watch = eval_indices(config, setup.test)
-    if start_round == 0:
+    if not fed.log_uplinks:
+        log = None
+    elif start_round == 0:
         log = UplinkLog.start(out / LOG_NAME, config_text=config_yaml(config), num_clients=len(splits),
                               num_classes=len(setup.label_names) if setup.label_names else None,
                               start_tensors=server.tensors)
