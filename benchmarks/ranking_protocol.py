@@ -49,7 +49,8 @@ ROWS: dict[str, tuple[str, bool]] = {
     "fedavg-lora": ("fedavg", False),  # first-order: LoRA, its own trainable set (the accuracy ceiling)
 }
 HEADLINE = ["zofed", "hiso", "fedkseed", "decomfl", "zo-seeds", "fedmezo", "fedavg-lora"]
-METHOD_OPTIONS = {"fedkseed": ["federation.pool_size=64"]}
+# fedavg uploads LoRA's dense update (1.8 MB a client round): no uplink log of it in every run directory
+METHOD_OPTIONS = {"fedkseed": ["federation.pool_size=64"], "fedavg": ["federation.log_uplinks=false"]}
 TENSORWISE = "federation.server_optimizer.granularity=tensor"
 # The ablations were measured with central queries, zofed's estimator before forward won; they keep it.
 CENTRAL = "zo.estimator=central"

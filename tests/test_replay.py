@@ -51,6 +51,12 @@ def test_a_changed_log_is_caught(tiny_workspace, tmp_path):
     config = tiny_federated_config(tiny_workspace, unlogged, "federation.rounds=1", "federation.log_uplinks=false")
     run_federated(config, show_progress=False)
     assert not (unlogged / LOG_NAME).exists()
+    partly = tmp_path / "partly"  # logged for one round, then resumed with the log off for two more
+    run_federated(tiny_federated_config(tiny_workspace, partly, "federation.rounds=1"), show_progress=False)
+    config = tiny_federated_config(tiny_workspace, partly, "federation.rounds=3", "federation.log_uplinks=false")
+    run_federated(config, resume=True, show_progress=False)
+    with pytest.raises(LogError, match="the uplink log holds 1 rounds and the run 3"):
+        replay_run(partly)
 
 
 def test_a_resumed_run_cuts_its_log_back_to_the_checkpoint_and_replays(tiny_workspace, tmp_path):

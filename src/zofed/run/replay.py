@@ -16,6 +16,7 @@ import yaml
 from safetensors.torch import load_file
 
 from zofed.fl.server import RoundInbox
+from zofed.run.checkpoint import find_checkpoint, load_checkpoint
 from zofed.run.config import ConfigError, FederatedConfig
 from zofed.run.federated import make_server
 from zofed.run.setup import build_model, prefix_cache
@@ -43,6 +44,11 @@ def replay_run(run_dir: str | Path) -> Replay:
     if not final.is_file():
         raise ConfigError(f"{run_dir} has no final/trainable.safetensors to check a replay against: the run has "
                           "not finished")
+    checkpoint = find_checkpoint(run_dir / "checkpoint")
+    trained = int(load_checkpoint(checkpoint)[1]["round"]) if checkpoint is not None else None
+    if trained is not None and trained != len(rounds):
+        raise LogError(f"the uplink log holds {len(rounds)} rounds and the run {trained}: the log was switched off "
+                       "(federation.log_uplinks) for part of the run")
     model, trainable, _ = build_model(config, header["num_classes"], torch.device("cpu"))
     if tensors_sha256(trainable.tensors()) != header["start_sha256"]:
         raise LogError(f"the starting tensors rebuilt from {config.model.name} differ from the ones the run "
