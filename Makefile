@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo demo-centralized test lint bench-zo-step bench-centralized bench-scale bench-federated bench-flower bench-client-memory bench-calibrate bench-ranking bench-instruction
+.PHONY: setup demo demo-centralized test lint bench-zo-step bench-centralized bench-scale bench-federated bench-flower bench-client-memory bench-calibrate bench-ranking bench-instruction bench-robustness
 
 setup:
 	@bash scripts/setup_env.sh
@@ -52,3 +52,7 @@ bench-ranking: setup
 # Instruction tuning on federated Dolly/Alpaca at equal client compute (ROUGE-L); ARGS e.g. --jobs 2 --threads 1
 bench-instruction: setup
 	$(PY) benchmarks/instruction.py $(ARGS)
+
+# zofed's defenses against lying clients and the accuracy privacy costs (docs/security.md); ARGS as above
+bench-robustness: setup
+	$(PY) benchmarks/robustness.py $(ARGS)

@@ -1,0 +1,61 @@
+"""benchmarks/robustness.py without running a model: the noise it picks for a target epsilon, each row's config,
+and the report's verdicts computed from the rows."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import robustness  # noqa: E402
+
+from zofed.fl.privacy import epsilon_spent  # noqa: E402
+
+
+def test_the_noise_for_an_epsilon_spends_at_most_it_and_barely_less():
+    for epsilon in (1.0, 8.0):
+        noise = robustness.noise_for_epsilon(epsilon, 50, 5, 32)
+        assert epsilon_spent(noise, 50, 5, 32, robustness.DELTA) <= epsilon
+        assert epsilon_spent(noise / 1.02, 50, 5, 32, robustness.DELTA) > epsilon
+
+
+def _row(attack, fraction, defense, accuracy, **extra):
+    return {"dataset": "agnews", "attack": attack, "fraction": fraction, "defense": defense, "seed": 0,
+            "final_accuracy": accuracy, **extra}
+
+
+def test_the_report_judges_the_targets_from_the_rows():
+    rows = [_row("none", 0.0, "mean", 0.78), _row("scale", 0.2, "mean", 0.60), _row("scale", 0.2, "clip", 0.77),
+            _row("scale", 0.2, "median", 0.74), _row("sign-flip", 0.2, "mean", 0.76),
+            _row("sign-flip", 0.2, "median", 0.72),
+            _row("none", 0.0, "dp-8", 0.75, dp_epsilon=7.9, dp_noise=0.8)]
+    text = "\n".join(robustness.report_lines(rows))
+    assert "| scale | 20% | 0.6000 (-18.0) | 0.7700 (-1.0) |  | 0.7400 (-4.0) |  |" in text
+    assert "- scale: the plain mean loses 18.0 points (at least 5: met); the best defense, clip, loses 1.0 " \
+           "(at most 2: met)" in text
+    assert "- sign-flip: the plain mean loses 2.0 points (at least 5: missed, the attack is too weak here); the " \
+           "best defense, median, loses 6.0 (at most 2: missed)" in text
+    assert "| 7.90 | 0.8 | 0.7500 | -3.0 |" in text
+    assert "not run yet" in "\n".join(robustness.report_lines([_row("scale", 0.2, "mean", 0.6)]))
+
+
+def test_each_row_runs_zofed_with_its_attack_and_defense(tmp_path, monkeypatch):
+    table = {"rows": {"k": {"phase": "tune", "row": "zofed", "trainable": "top4", "dataset": "agnews",
+                            "budget": 1000.0, "lr": 0.001, "server_factor": 1.0, "final_accuracy": 0.78}}}
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "ranking.json").write_text(__import__("json").dumps(table))
+    monkeypatch.setattr(robustness, "RESULTS", results)
+    config = robustness.row_config("agnews", "scale", 0.2, "median", 0, 1.5, tmp_path / "run")
+    assert (config.attack.kind, config.attack.fraction, config.federation.aggregator) == ("scale", 0.2, "median")
+    assert config.federation.method == "zofed" and config.optimizer.lr == 0.001
+    clipped = robustness.row_config("agnews", "stale", 0.1, "clip", 0, 1.5, tmp_path / "run")
+    assert clipped.federation.clip_norm == 1.5 and clipped.federation.aggregator == "mean"
+    private = robustness.row_config("agnews", "none", 0.0, "dp-3", 0, 1.5, tmp_path / "run")
+    fed = private.federation
+    assert private.attack.kind == "none" and fed.clip_norm == 1.5
+    assert epsilon_spent(fed.dp_noise, fed.partition.num_clients, fed.clients_per_round, fed.rounds, 1e-5) <= 3.0
+    with pytest.raises(KeyError):
+        robustness.row_config("sst5", "none", 0.0, "mean", 0, None, tmp_path / "run")  # not tuned
