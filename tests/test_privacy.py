@@ -56,3 +56,26 @@ def test_a_private_run_records_its_epsilon_and_replays(tiny_workspace, tmp_path)
         tiny_federated_config(tiny_workspace, tmp_path / "bad", "federation.dp_noise=1.0")
     with pytest.raises(ConfigError, match="dp_delta is a setting of differential privacy"):
         tiny_federated_config(tiny_workspace, tmp_path / "bad", "federation.dp_delta=1e-6")
+
+
+def test_local_dp_noises_at_the_client_and_the_server_leaves_the_numbers_be(tiny_workspace, tmp_path):
+    from zofed.fl.protocol import decode
+    from zofed.run.uplink_log import LOG_NAME, read_log
+
+    def uplinks(out, *extra):
+        run_federated(tiny_federated_config(tiny_workspace, out, "federation.method=zo-seeds", *extra),
+                      show_progress=False)
+        return [decode(data) for r in read_log(out / LOG_NAME)[1] for _, data in r.uplinks]
+
+    plain = uplinks(tmp_path / "plain")
+    local = uplinks(tmp_path / "local", "federation.clip_norm=1e-3", "federation.dp_noise=2.0",
+                    "federation.dp_at=client")
+    first = plain[0]  # the first round starts from the same model: the same honest scalars, clipped and noised
+    clipped = first.grads * min(1.0, 1e-3 / float(np.linalg.norm(first.grads)))
+    expected = add_noise(ClientUpdate(0, first.client_id, first.seeds, first.base_seed, clipped.astype(np.float32),
+                                      first.num_examples, {}), 2.0, 1e-3, 0, 0).grads
+    assert np.allclose(local[0].grads, expected, atol=1e-6)
+    assert float(np.linalg.norm(local[0].grads)) > 1e-3  # what the server logged is the noised numbers, unclipped
+    assert replay_run(tmp_path / "local").matches
+    with pytest.raises(ConfigError, match="dp_at is a setting of differential privacy"):
+        tiny_federated_config(tiny_workspace, tmp_path / "bad", "federation.dp_at=client")

@@ -50,7 +50,7 @@ class ServerRole:
     def __init__(self, plan: FederationPlan, tensors: Sequence[torch.Tensor],
                  masks: Sequence[torch.Tensor | None] | None = None, optimizer: ServerOptimizer | None = None,
                  aggregator: Any = None, clip_norm: float | None = None, screen: Screen | None = None,
-                 dp_noise: float | None = None, dp_delta: float = 1e-5) -> None:
+                 dp_noise: float | None = None, dp_delta: float = 1e-5, dp_at_clients: bool = False) -> None:
         self.plan = plan
         self.method = get_method(plan.method)
         self.tensors = [t.detach().to("cpu", copy=True) for t in tensors]  # the server computes on the CPU
@@ -65,6 +65,7 @@ class ServerRole:
         self.screen = screen
         self.dp_noise = dp_noise  # Gaussian noise of dp_noise x clip_norm on each clipped uplink's numbers (privacy.py)
         self.dp_delta = dp_delta  # the delta each round's epsilon is reported for
+        self.dp_at_clients = dp_at_clients  # the clients clip and noise their own numbers: the server leaves them be
         if dp_noise is not None and clip_norm is None:
             raise ValueError("differential privacy needs a clip norm: the noise is sized by it")
         self.last_screened = 0  # uplinks the last aggregate refused on their score
@@ -131,11 +132,11 @@ class ServerRole:
         A round with no accepted update keeps the model."""
         times = [time.perf_counter()]
         self.last_clipped = 0
-        if self.clip_norm is not None:  # before anything reads the scalars: the rebuild, and the method's probes
+        if self.clip_norm is not None and not self.dp_at_clients:  # before anything reads the numbers
             clipped = [clip_update(u, self.clip_norm) for u in inbox.accepted]
             inbox.accepted[:] = [u for u, _ in clipped]
             self.last_clipped = sum(hit for _, hit in clipped)
-        if self.dp_noise is not None:  # after clipping, before anything reads the numbers
+        if self.dp_noise is not None and not self.dp_at_clients:  # after clipping, before anything reads them
             inbox.accepted[:] = [add_noise(u, self.dp_noise, self.clip_norm, self.plan.run_seed, local.round_id)
                                  for u in inbox.accepted]
         self.last_screened = 0
@@ -195,9 +196,10 @@ class ClientRole:
     """Turns a downlink into an uplink: load the weights, train on this client's examples, report."""
 
     def __init__(self, ctx: ClientContext, first_order_optimizer: str = "adamw", attack: Attack | None = None,
-                 num_classes: int | None = None) -> None:
+                 num_classes: int | None = None, local_dp: tuple[float, float] | None = None) -> None:
         self.ctx = ctx
         self.first_order_optimizer = first_order_optimizer
+        self.local_dp = local_dp  # (clip norm, noise multiplier): an honest client's own clipping and noise
         # an attacking client's view: the same model, and the data it trains on (label-flip: wrong labels)
         self.attack = attack
         self.attack_ctx = ctx if attack is None else replace(ctx, train=attack.data(ctx.train, num_classes or 0))
@@ -218,6 +220,9 @@ class ClientRole:
         update, _ = get_method(local.method).train(ctx, start, client_id, indices, local, message.server_state,
                                                    first_order_optimizer=self.first_order_optimizer)
         if not attacking:
+            if self.local_dp is not None:  # local DP: the numbers leave the client clipped and noised
+                clip_norm, noise = self.local_dp
+                update = add_noise(clip_update(update, clip_norm)[0], noise, clip_norm, local.run_seed, local.round_id)
             return encode(update)
         if self.attack.kind == "stale":
             honest = encode(update)

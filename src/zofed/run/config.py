@@ -224,6 +224,9 @@ class FederationSection(_Section):
     # clip_norm on each number; each round records the epsilon spent so far for dp_delta. None: no noise.
     dp_noise: float | None = Field(None, gt=0)
     dp_delta: float = Field(1e-5, gt=0, lt=1)
+    # server: the server clips and noises each accepted uplink (it sees the clients' numbers); client: each honest
+    # client clips and noises its own before sending (local DP: no one sees them), and the server leaves them be
+    dp_at: Literal["server", "client"] = "server"
     partition: PartitionConfig = Field(default_factory=PartitionConfig)
     server_optimizer: ServerOptimizerSection = Field(default_factory=ServerOptimizerSection)
     sampling: SamplingSection = Field(default_factory=SamplingSection)
@@ -249,8 +252,9 @@ class FederationSection(_Section):
     def _privacy_settings(self) -> FederationSection:
         if self.dp_noise is not None and self.clip_norm is None:
             raise ValueError("federation.dp_noise needs federation.clip_norm: the noise is sized by the clip norm")
-        if self.dp_noise is None and self.dp_delta != FederationSection.model_fields["dp_delta"].default:
-            raise ValueError("federation.dp_delta is a setting of differential privacy: set federation.dp_noise")
+        for key in ("dp_delta", "dp_at"):
+            if self.dp_noise is None and getattr(self, key) != FederationSection.model_fields[key].default:
+                raise ValueError(f"federation.{key} is a setting of differential privacy: set federation.dp_noise")
         return self
 
     @model_validator(mode="after")

@@ -204,7 +204,9 @@ def make_client_role(config: FederatedConfig, ctx: ClientContext, num_clients: i
                            config.attack.scale)
     if attack is not None and attack.kind == "label-flip" and not label_names:
         raise ConfigError("attack.kind label-flip needs labelled data; this run's task has no labels")
-    return ClientRole(ctx, config.federation.first_order_optimizer, attack, len(label_names or []))
+    fed = config.federation
+    local_dp = (fed.clip_norm, fed.dp_noise) if fed.dp_noise is not None and fed.dp_at == "client" else None
+    return ClientRole(ctx, fed.first_order_optimizer, attack, len(label_names or []), local_dp)
 
 
 def make_server(config: FederatedConfig, trainable: TrainableParams, num_clients: int, pass_fraction: float,
@@ -217,7 +219,7 @@ def make_server(config: FederatedConfig, trainable: TrainableParams, num_clients
         return ServerRole(plan, trainable.tensors(), trainable.masks,
                           optimizer or fed.server_optimizer.build(fed.method, fed.rounds),
                           make_aggregator(fed.aggregator, fed.trim), fed.clip_norm, screen, fed.dp_noise,
-                          fed.dp_delta)
+                          fed.dp_delta, fed.dp_at == "client")
     except ValueError as err:  # the method's own settings that cannot go with the rest (e.g. a tilt without momentum)
         raise ConfigError(f"federation: {err}") from None
 
