@@ -38,8 +38,9 @@ from zofed.fl.methods import get_method, method_names
 from zofed.fl.plan import LocalTraining
 from zofed.fl.rounds import peak_rss_mib
 from zofed.run.checkpoint import find_checkpoint, write_atomic_text
-from zofed.run.config import FederatedConfig, load_config
+from zofed.run.config import load_config
 from zofed.run.federated import per_client_accuracy, run_federated, worst_decile_mean
+from zofed.run.federated_config import FederatedConfig
 from zofed.run.finetune import finetune
 from zofed.run.metrics import MetricsLog
 from zofed.run.setup import build

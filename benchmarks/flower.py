@@ -33,8 +33,9 @@ from zofed.flower.deploy import write_app
 from zofed.flower.simulation import run_flower_simulation
 from zofed.models.tiny import tiny_causal_lm
 from zofed.run.checkpoint import write_atomic_text
-from zofed.run.config import FederatedConfig, load_config
+from zofed.run.config import load_config
 from zofed.run.federated import run_federated
+from zofed.run.federated_config import FederatedConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "results" / "flower.json"

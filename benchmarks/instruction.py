@@ -56,8 +56,9 @@ from zofed.data.builtin import shared_data_dir
 from zofed.fl.methods import get_method
 from zofed.fl.plan import FederationPlan
 from zofed.run.checkpoint import find_checkpoint, write_atomic_text
-from zofed.run.config import FederatedConfig, load_config
+from zofed.run.config import load_config
 from zofed.run.federated import run_federated
+from zofed.run.federated_config import FederatedConfig
 from zofed.run.metrics import MetricsLog
 from zofed.run.setup import build
 

@@ -57,8 +57,9 @@ from row_pool import record_rows, run_rows
 from zofed.data.builtin import shared_data_dir
 from zofed.fl.methods import get_method
 from zofed.run.checkpoint import find_checkpoint
-from zofed.run.config import FederatedConfig, load_config
+from zofed.run.config import load_config
 from zofed.run.federated import run_federated
+from zofed.run.federated_config import FederatedConfig
 from zofed.run.metrics import MetricsLog
 
 

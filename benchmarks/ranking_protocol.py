@@ -7,7 +7,8 @@ from pathlib import Path
 
 from zofed.fl.methods import get_method
 from zofed.fl.plan import FederationPlan
-from zofed.run.config import FederatedConfig, load_config
+from zofed.run.config import load_config
+from zofed.run.federated_config import FederatedConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"

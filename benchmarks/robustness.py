@@ -35,8 +35,9 @@ from zofed.data.builtin import shared_data_dir
 from zofed.fl.privacy import epsilon_spent
 from zofed.fl.protocol import decode
 from zofed.run.checkpoint import find_checkpoint, write_atomic_text
-from zofed.run.config import FederatedConfig, load_config
+from zofed.run.config import load_config
 from zofed.run.federated import run_federated
+from zofed.run.federated_config import FederatedConfig
 from zofed.run.uplink_log import LOG_NAME, read_log
 
 ATTACKS = ["sign-flip", "scale", "random", "label-flip", "stale"]

@@ -40,7 +40,8 @@ def worker(num_clients: int) -> dict:
     from zofed.fl.client import ClientContext
     from zofed.fl.plan import FederationPlan
     from zofed.fl.roles import ServerRole
-    from zofed.run.config import FederatedConfig, load_config
+    from zofed.run.config import load_config
+    from zofed.run.federated_config import FederatedConfig
     from zofed.run.setup import build
     from zofed.sim.engine import simulate
 
@@ -79,7 +80,8 @@ def aggregation_worker(trainable: str, shared: bool, per_round: int) -> dict:
     from zofed.fl.protocol import ClientUpdate, encode
     from zofed.fl.roles import ServerRole
     from zofed.fl.server import RoundInbox
-    from zofed.run.config import FederatedConfig, load_config
+    from zofed.run.config import load_config
+    from zofed.run.federated_config import FederatedConfig
     from zofed.run.setup import build
 
     torch.set_num_threads(1)

@@ -13,8 +13,9 @@ from toy_federation import tiny_federated_config
 from typer.testing import CliRunner
 
 from zofed.cli import app
-from zofed.run.config import FederatedConfig, load_config
+from zofed.run.config import load_config
 from zofed.run.federated import run_federated
+from zofed.run.federated_config import FederatedConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 # Everything but the model and the data, which the tests pass with --model and --data.

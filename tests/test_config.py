@@ -2,14 +2,8 @@
 
 import pytest
 
-from zofed.run.config import (
-    CENTRALIZED_ONLY,
-    ConfigError,
-    FederatedConfig,
-    FinetuneConfig,
-    load_config,
-    parse_overrides,
-)
+from zofed.run.config import ConfigError, FinetuneConfig, load_config, parse_overrides
+from zofed.run.federated_config import CENTRALIZED_ONLY, FederatedConfig
 from zofed.run.stored_config import check_resumed_config, dump_config, pinned
 
 

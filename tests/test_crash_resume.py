@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from toy_federation import tiny_federated_config
 
 from zofed.run.checkpoint import find_checkpoint, load_checkpoint
-from zofed.run.config import FederatedConfig, load_config
+from zofed.run.config import load_config
+from zofed.run.federated_config import FederatedConfig
 from zofed.run.replay import replay_run
 from zofed.run.stored_config import dump_config
 from zofed.run.uplink_log import LOG_NAME, read_log

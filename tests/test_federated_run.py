@@ -11,8 +11,9 @@ from toy_federation import tiny_federated_config
 from typer.testing import CliRunner
 
 from zofed.cli import app
-from zofed.run.config import ConfigError, ServerOptimizerSection
+from zofed.run.config import ConfigError
 from zofed.run.federated import run_federated, worst_decile_mean
+from zofed.run.federated_config import ServerOptimizerSection
 from zofed.run.report import load_run_summary
 from zofed.run.stored_config import dump_config
 

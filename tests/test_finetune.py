@@ -181,7 +181,7 @@ def test_cli_finetune_and_eval(tiny_workspace, tmp_path):
 def test_shipped_configs_validate(name):
     from pathlib import Path
 
-    from zofed.run.config import FederatedConfig
+    from zofed.run.federated_config import FederatedConfig
 
     path = Path(__file__).resolve().parents[1] / "configs" / name
     schema = FederatedConfig if name.startswith("federated") else None

@@ -18,8 +18,9 @@ from zofed.data.sources import DataError, TextDataset
 from zofed.data.tasks import TaskConfig, make_task
 from zofed.models.selection import TrainableConfig, select_trainable
 from zofed.models.tiny import tiny_causal_lm, tiny_tokenizer
-from zofed.run.config import ConfigError, FederatedConfig, load_config
+from zofed.run.config import ConfigError, load_config
 from zofed.run.federated import run_federated
+from zofed.run.federated_config import FederatedConfig
 from zofed.run.finetune import finetune
 from zofed.run.generate import generate_from_run, read_prompts
 

@@ -30,7 +30,8 @@ def toy_clients(n: int = 6, size: int = 120) -> list[np.ndarray]:
 
 def tiny_federated_config(ws, out, *extra: str):
     """A 3-round federated run on the `tiny_workspace` fixture's model and data; `extra` overrides win."""
-    from zofed.run.config import FederatedConfig, load_config
+    from zofed.run.config import load_config
+    from zofed.run.federated_config import FederatedConfig
 
     overrides = [f"model.name={ws / 'model'}", f"data.source={ws / 'train.jsonl'}",
                  f"data.test_source={ws / 'test.jsonl'}", "data.eval_examples=30",

@@ -116,8 +116,9 @@ def run(
 
     CONFIG is a YAML config file (optional); --set overrides it and the other options override both.
     """
-    from zofed.run.config import FederatedConfig, load_config
+    from zofed.run.config import load_config
     from zofed.run.federated import run_federated
+    from zofed.run.federated_config import FederatedConfig
 
     overrides = _overrides(set_, {"model.name": model, "data.source": data, "federation.rounds": rounds,
                                   "out_dir": out})
@@ -165,7 +166,8 @@ def flower_app(
     """Write a Flower app (pyproject.toml with the resolved config) for `flwr run` on a real deployment."""
     from zofed.flower.config import num_supernodes
     from zofed.flower.deploy import write_app
-    from zofed.run.config import FederatedConfig, load_config
+    from zofed.run.config import load_config
+    from zofed.run.federated_config import FederatedConfig
 
     try:
         cfg = load_config(config, list(set_ or []), schema=FederatedConfig)

@@ -18,7 +18,7 @@ from zofed.zo.optim import MeZO, ZOAdam, ZOSGDMomentum, hyperparameters, make_op
 FEDERATED_OPTIMIZERS = ("mezo", "zo-sgd-momentum", "zo-adam")
 
 if TYPE_CHECKING:
-    from zofed.run.config import FederatedConfig
+    from zofed.run.federated_config import FederatedConfig
 
 
 @dataclass(frozen=True)

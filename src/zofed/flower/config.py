@@ -15,7 +15,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from zofed.run.config import ConfigError, FederatedConfig
+from zofed.run.config import ConfigError
+from zofed.run.federated_config import FederatedConfig
 
 CONFIG_KEY = "zofed-config"  # run config key holding the resolved YAML config (deployment)
 RESUME_KEY = "zofed-resume"

@@ -23,7 +23,8 @@ from zofed.flower.config import (
     num_supernodes,
     resolve_run_config,
 )
-from zofed.run.config import ConfigError, FederatedConfig
+from zofed.run.config import ConfigError
+from zofed.run.federated_config import FederatedConfig
 
 
 def render_app_pyproject(config: FederatedConfig, *, resume: bool = False) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 from rich.console import Console
 
 from zofed.flower import require_flower
-from zofed.run.config import FederatedConfig
+from zofed.run.federated_config import FederatedConfig
 
 
 def run_flower_simulation(config: FederatedConfig, *, resume: bool = False, show_progress: bool = True,

@@ -36,7 +36,8 @@ from zofed.fl.roles import ClientRole, Screen, ServerRole
 from zofed.fl.server_opt import ServerOptimizer
 from zofed.models.selection import TrainableParams
 from zofed.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, write_atomic_text
-from zofed.run.config import ConfigError, FederatedConfig
+from zofed.run.config import ConfigError
+from zofed.run.federated_config import FederatedConfig
 from zofed.run.metrics import CLIENT_LISTS, MetricsLog
 from zofed.run.screening import probe_loss_screen
 from zofed.run.setup import Setup, build, eval_indices, save_final

@@ -17,7 +17,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from zofed import streams
 from zofed.data.generation import showing_generation
 from zofed.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, write_atomic_text
-from zofed.run.config import ConfigError, FederatedConfig, FinetuneConfig
+from zofed.run.config import ConfigError, FinetuneConfig
+from zofed.run.federated_config import FederatedConfig
 from zofed.run.metrics import MetricsLog
 from zofed.run.setup import Setup, build, eval_indices, save_final
 from zofed.run.stored_config import check_resumed_config, dump_config, with_prompt_format
@@ -44,7 +45,8 @@ def finetune(config: FinetuneConfig, *, resume: bool = False, show_progress: boo
     if isinstance(config, FederatedConfig):
         # A centralized run of a federated config (the benchmarks' centralized reference) is a centralized run: its
         # config.yaml must load as one (a federated config refuses train.steps), and resume as one.
-        config = FinetuneConfig.model_validate(config.model_dump(exclude={"federation", "flower"}))
+        federated_only = set(type(config).model_fields) - set(FinetuneConfig.model_fields)  # federation, flower, ...
+        config = FinetuneConfig.model_validate(config.model_dump(exclude=federated_only))
     out = Path(config.out_dir)
     existing = find_checkpoint(out / "checkpoint")
     if existing is not None:

@@ -17,8 +17,9 @@ from safetensors.torch import load_file
 
 from zofed.fl.server import RoundInbox
 from zofed.run.checkpoint import find_checkpoint, load_checkpoint
-from zofed.run.config import ConfigError, FederatedConfig
+from zofed.run.config import ConfigError
 from zofed.run.federated import make_server
+from zofed.run.federated_config import FederatedConfig
 from zofed.run.setup import build_model, prefix_cache
 from zofed.run.uplink_log import LOG_NAME, LogError, read_log, tensors_sha256
 

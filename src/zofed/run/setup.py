@@ -177,7 +177,8 @@ def load_run(run_dir: str | Path) -> Setup:
     (zofed finetune) or a federated one's (zofed run, whose config.yaml has a federation section)."""
     import yaml
 
-    from zofed.run.config import FederatedConfig, load_config
+    from zofed.run.config import load_config
+    from zofed.run.federated_config import FederatedConfig
 
     run_dir = Path(run_dir)
     path = run_dir / "config.yaml"

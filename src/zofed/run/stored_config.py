@@ -14,7 +14,8 @@ import yaml
 
 from zofed.data.tasks import Task
 from zofed.run.checkpoint import write_atomic_text
-from zofed.run.config import ConfigError, FederatedConfig, FinetuneConfig, load_config
+from zofed.run.config import ConfigError, FinetuneConfig, load_config
+from zofed.run.federated_config import FederatedConfig
 
 
 def pinned(config: FinetuneConfig) -> FinetuneConfig:

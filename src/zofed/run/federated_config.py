@@ -1,0 +1,215 @@
+"""The federated part of a run's config: the federation (method, rounds, partition, server optimizer, sampling,
+aggregation and its defenses), the Flower backend's settings and the attackers. `FederatedConfig` adds them to
+the centralized sections (run/config.py), and is loaded the same way (`load_config(..., schema=FederatedConfig)`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from zofed.data.partition import PartitionConfig
+from zofed.fl.aggregate import AGGREGATORS
+from zofed.fl.attacks import AttackKind
+from zofed.fl.methods import get_method
+from zofed.fl.server_opt import SERVER_OPTIMIZERS, ServerOptimizer, make_server_optimizer
+from zofed.run.config import ConfigError, FinetuneConfig, _Section
+
+
+class ServerOptimizerSection(_Section):
+    """Unset fields take the method's default (its `server_default` in fl/methods/): zofed uses adam with one
+    second moment for the whole update (granularity global) and relative steps."""
+
+    name: str | None = None  # a registered server optimizer (fl/server_opt.py): sgd, adam, yogi, amsgrad
+    lr: float | None = Field(None, gt=0)
+    granularity: Literal["coordinate", "tensor", "global"] | None = None
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta1_start: float | None = Field(None, ge=0, lt=1)  # set: beta1 rises linearly from it to beta1 over the run
+    beta2: float = Field(0.99, ge=0, lt=1)
+    tau: float = Field(1e-6, gt=0)
+    warm_start: bool = False  # tensor-wise only: a tensor's v starts from its expected first-round energy
+    relative: bool | None = None  # adaptive only: each tensor's step is lr times its own RMS (a LAMB-style trust ratio)
+    decay: Literal["constant", "cosine"] = "constant"  # cosine: lr falls to zero over the run's federation.rounds
+
+    def resolved(self, method: str, rounds: int) -> dict[str, Any]:
+        """The settings the server optimizer runs with: unset fields filled from the method's default."""
+        default = get_method(method).server_default
+        name = self.name or default.name
+        relative = self.relative if self.relative is not None else (name == default.name and default.relative)
+        # An lr only has a meaning for the step it was set for: sgd's 1.0 is not an adam step, nor is a relative
+        # step an absolute one.
+        same_step = name == default.name and relative == default.relative
+        lr = self.lr if self.lr is not None else (default.lr if same_step else SERVER_OPTIMIZERS[name].default_lr)
+        settings = {"name": name, "lr": lr, "decay_rounds": rounds if self.decay == "cosine" else 0,
+                    "relative": relative, "warm_start": self.warm_start}
+        if SERVER_OPTIMIZERS[name].adaptive:
+            settings.update(granularity=self.granularity or default.granularity, beta1=self.beta1, beta2=self.beta2,
+                            tau=self.tau)
+        if self.beta1_start is not None:  # a plain step refuses it (make_server_optimizer says why)
+            settings.update(beta1_start=self.beta1_start, ramp_rounds=rounds)
+        return settings
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, name: str | None) -> str | None:
+        if name is not None and name not in SERVER_OPTIMIZERS:
+            raise ValueError(f"unknown server optimizer {name!r}; choose one of {', '.join(SERVER_OPTIMIZERS)}")
+        return name
+
+    def build(self, method: str, rounds: int) -> ServerOptimizer:
+        try:
+            return make_server_optimizer(**self.resolved(method, rounds))
+        except ValueError as err:  # settings that are each valid but do not go together
+            raise ConfigError(f"federation.server_optimizer: {err}") from None
+
+
+class SamplingSection(_Section):
+    """zofed's personalized block sampling (fl/personal.py); methods that do not read it refuse it."""
+
+    personalize: bool = True  # false: every step perturbs every block (the ablation without personalization)
+    mix: float = Field(0.3, gt=0, le=1)  # share of the size-proportional distribution kept in each client's pi
+    prior_weight: float = Field(2.0, gt=0)  # probes the global estimate is worth in a client's own estimate
+    tilt: float = Field(0.0, ge=0)  # ZO-AdaMU-style lean towards the server's first moment (needs adam/yogi/amsgrad)
+    blocks: int = Field(0, ge=0)  # blocks the trainable tensors are cut into, contiguous in model order (0: per tensor)
+    shared_seeds: bool = False  # the round's clients share step seeds (DeComFL-style), each drawing from its own pi
+
+
+class FederationSection(_Section):
+    method: str = "zofed"  # a registered method (fl/methods/): zofed, zo-seeds, decomfl, fedkseed, fedmezo, ...
+    rounds: int = Field(20, ge=1)
+    clients_per_round: int = Field(5, ge=1)
+    local_steps: int = Field(10, ge=1)
+    pool_size: int = Field(64, ge=1)  # fedkseed's shared seed pool
+    first_order_optimizer: Literal["adamw", "sgd"] = "adamw"  # fedavg, fedadam: clients back-propagate
+    first_order_lr: float = Field(1e-3, gt=0)
+    aggregator: str = "mean"  # how the clients' updates combine (fl/aggregate.py): mean, trimmed-mean, median
+    trim: float = Field(0.1, ge=0, lt=0.5)  # trimmed-mean: the share of clients dropped at each end, per coordinate
+    # Each accepted uplink's numbers (its scalars, or a dense update) are scaled down to at most this L2 norm
+    # before they are aggregated: the bound on how far one client can move a round. None: no bound.
+    clip_norm: float | None = Field(None, gt=0)
+    # Screening (run/screening.py): an update that raises the loss on the server's probe examples by more than
+    # this is refused, as a rejected uplink. None: no screening.
+    screen_threshold: float | None = None
+    screen_examples: int = Field(32, ge=1)  # the probe examples (a seeded sample of the training data)
+    # Client-level differential privacy (fl/privacy.py): every clipped uplink gets Gaussian noise of dp_noise x
+    # clip_norm on each number; each round records the epsilon spent so far for dp_delta. None: no noise.
+    dp_noise: float | None = Field(None, gt=0)
+    dp_delta: float = Field(1e-5, gt=0, lt=1)
+    # server: the server clips and noises each accepted uplink (it sees the clients' numbers); client: each honest
+    # client clips and noises its own before sending (local DP: no one sees them), and the server leaves them be
+    dp_at: Literal["server", "client"] = "server"
+    partition: PartitionConfig = Field(default_factory=PartitionConfig)
+    server_optimizer: ServerOptimizerSection = Field(default_factory=ServerOptimizerSection)
+    sampling: SamplingSection = Field(default_factory=SamplingSection)
+    eval_every: int = Field(1, ge=1)  # rounds between evaluations on the fixed test subset
+    # Append every accepted uplink, hash-chained, to the run's uplinks.jsonl (run/uplink_log.py, `zofed replay`).
+    # A ZO uplink is a few hundred bytes; a dense one (fedavg, fedadam) holds the whole update.
+    log_uplinks: bool = True
+
+    @field_validator("method")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        get_method(name)  # raises naming the registered methods
+        return name
+
+    @field_validator("aggregator")
+    @classmethod
+    def _known_aggregator(cls, name: str) -> str:
+        if name not in AGGREGATORS:
+            raise ValueError(f"unknown aggregator {name!r}; choose one of {', '.join(AGGREGATORS)}")
+        return name
+
+    @model_validator(mode="after")
+    def _privacy_settings(self) -> FederationSection:
+        if self.dp_noise is not None and self.clip_norm is None:
+            raise ValueError("federation.dp_noise needs federation.clip_norm: the noise is sized by the clip norm")
+        for key in ("dp_delta", "dp_at"):
+            if self.dp_noise is None and getattr(self, key) != FederationSection.model_fields[key].default:
+                raise ValueError(f"federation.{key} is a setting of differential privacy: set federation.dp_noise")
+        return self
+
+    @model_validator(mode="after")
+    def _screen_examples_only_when_screening(self) -> FederationSection:
+        if self.screen_threshold is None and self.screen_examples != FederationSection.model_fields[
+                "screen_examples"].default:
+            raise ValueError("federation.screen_examples is a setting of screening: set federation.screen_threshold")
+        return self
+
+    @model_validator(mode="after")
+    def _trim_only_where_read(self) -> FederationSection:
+        if self.trim != FederationSection.model_fields["trim"].default and self.aggregator != "trimmed-mean":
+            raise ValueError(f"federation.trim is a setting of the trimmed-mean aggregator, not of "
+                             f"{self.aggregator}")
+        return self
+
+    @model_validator(mode="after")
+    def _sampling_only_where_read(self) -> FederationSection:
+        # Only a set value that differs from the default is refused, so dumped configs load again.
+        if get_method(self.method).uses_sampling:
+            return self
+        for key in sorted(self.sampling.model_fields_set):
+            if getattr(self.sampling, key) != SamplingSection.model_fields[key].default:
+                raise ValueError(f"sampling.{key} is a setting of zofed's personalized sampling, which "
+                                 f"{self.method} does not use")
+        return self
+
+
+class FlowerSection(_Section):
+    """Settings only the Flower backend reads (`zofed run --backend flower`, docs/flower.md)."""
+
+    min_clients: int | None = Field(None, ge=1)  # fewer usable replies in a round fail the run; None: all sampled
+    reply_timeout: float = Field(600.0, gt=0)  # seconds a round waits for its replies; later ones count as missing
+    node_timeout: float = Field(120.0, gt=0)  # seconds to wait for every SuperNode to connect
+    client_cpus: float = Field(1.0, gt=0)  # simulation: cores each simulated SuperNode holds
+    client_gpus: float = Field(0.0, ge=0)  # simulation: share of a GPU each simulated SuperNode holds (0.25: 4 a GPU)
+
+
+class AttackSection(_Section):
+    """Clients that lie (fl/attacks.py), to measure the server's defenses: a seeded share of the clients attacks
+    whenever it is sampled."""
+
+    kind: AttackKind = "none"  # sign-flip, scale, random, label-flip, stale
+    fraction: float = Field(0.0, ge=0, le=1)  # share of the clients that attack, rounded up
+    scale: float = Field(100.0, gt=0)  # kind scale: the factor on the attackers' scalars
+
+    @model_validator(mode="after")
+    def _whole(self) -> AttackSection:
+        if (self.kind == "none") != (self.fraction == 0):
+            raise ValueError("an attack needs both attack.kind and attack.fraction > 0 (kind none: fraction 0)")
+        if self.kind != "scale" and self.scale != AttackSection.model_fields["scale"].default:
+            raise ValueError(f"attack.scale is a setting of attack.kind scale, not of {self.kind}")
+        return self
+
+
+class FederatedConfig(FinetuneConfig):
+    """A federated run: the centralized sections (model, data, task, trainable, zo, local optimizer, train)
+    plus the federation. `train.batch_size` is the clients' local batch; `train.seed` the run seed."""
+
+    federation: FederationSection = Field(default_factory=FederationSection)
+    flower: FlowerSection = Field(default_factory=FlowerSection)
+    attack: AttackSection = Field(default_factory=AttackSection)
+    out_dir: str = "runs/federated"
+
+    @model_validator(mode="after")
+    def _no_centralized_only(self) -> FederatedConfig:
+        # Only a set value that differs from the default is refused: dumped configs (config.yaml, the Flower apps'
+        # config text) hold every key at its default, and must load again.
+        for dotted, instead in CENTRALIZED_ONLY.items():
+            section_name, key = dotted.split(".")
+            section = getattr(self, section_name)
+            if key in section.model_fields_set and getattr(section, key) != type(section).model_fields[key].default:
+                raise ValueError(f"{dotted} is a centralized setting (zofed finetune) that a federated run would "
+                                 f"ignore; {instead}")
+        return self
+
+
+# Keys of the centralized sections that a federated run has no use for, and what it uses instead.
+CENTRALIZED_ONLY = {
+    "optimizer.schedule": "clients step at a constant optimizer.lr (the server step's decay is set under "
+                          "federation.server_optimizer)",
+    "optimizer.warmup": "clients step at a constant optimizer.lr from the first round",
+    "train.steps": "set federation.rounds (and federation.local_steps for each client's steps a round)",
+    "train.eval_every": "set federation.eval_every (in rounds)",
+    "train.checkpoint_every": "a federated run checkpoints after every round",
+}
