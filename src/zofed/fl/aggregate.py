@@ -149,13 +149,11 @@ class CoordinateMedian(TrimmedMean):
 def clip_update(update: ClientUpdate, bound: float) -> tuple[ClientUpdate, bool]:
     """The uplink with its numbers scaled down to an L2 norm of at most `bound` (the scalars of a seed-and-scalar
     uplink, the update of a dense one), and whether it had to be: one client then moves the round at most so far."""
-    values = update.dense if update.dense is not None else update.grads
+    values = update.numbers
     norm = float(np.linalg.norm(values.astype(np.float64)))
     if norm <= bound:
         return update, False
-    scaled = (values * np.float32(bound / norm)).astype(np.float32)
-    changed = {"dense": scaled} if update.dense is not None else {"grads": scaled}
-    return replace(update, **changed), True
+    return update.with_numbers(values * np.float32(bound / norm)), True
 
 
 # name -> factory of the aggregator from the federation's aggregation settings

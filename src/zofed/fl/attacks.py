@@ -58,7 +58,7 @@ class Attack:
     def tamper(self, update: ClientUpdate, round_id: int, client_id: int) -> ClientUpdate:
         """The uplink an attacking client sends in place of its honest `update` (stale is the role's: it needs
         the client's past uplinks)."""
-        values = update.dense if update.dense is not None else update.grads
+        values = update.numbers
         if self.kind == "sign-flip":
             lie = -values
         elif self.kind == "scale":
@@ -68,5 +68,4 @@ class Attack:
             lie = streams.attack_noise(self.seed, round_id, client_id).normal(0.0, rms, size=values.shape)
         else:
             return update
-        lie = np.asarray(lie, np.float32)
-        return replace(update, **({"dense": lie} if update.dense is not None else {"grads": lie}))
+        return update.with_numbers(lie)

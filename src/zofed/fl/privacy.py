@@ -18,20 +18,15 @@ config and the uplink log hold it, and the log holds the clients' numbers before
 
 from __future__ import annotations
 
-import numpy as np
-
 from zofed import streams
 from zofed.fl.protocol import ClientUpdate
 
 
 def add_noise(update: ClientUpdate, noise: float, clip_norm: float, run_seed: int, round_id: int) -> ClientUpdate:
     """The (already clipped) uplink with N(0, (noise x clip_norm)^2) added to each of its numbers."""
-    from dataclasses import replace
-
-    values = update.dense if update.dense is not None else update.grads
+    values = update.numbers
     rng = streams.dp_noise(run_seed, round_id, update.client_id)
-    noised = (values + rng.normal(0.0, noise * clip_norm, size=values.shape)).astype(np.float32)
-    return replace(update, **({"dense": noised} if update.dense is not None else {"grads": noised}))
+    return update.with_numbers(values + rng.normal(0.0, noise * clip_norm, size=values.shape))
 
 
 def epsilon_spent(noise: float, num_clients: int, per_round: int, rounds: int, delta: float) -> float:

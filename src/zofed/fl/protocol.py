@@ -26,7 +26,7 @@ import json
 import math
 import numbers
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -73,6 +73,16 @@ class ClientUpdate:
     num_examples: int  # uint32
     metrics: dict[str, float]  # finite numbers, sent as JSON in the header
     dense: np.ndarray | None = None  # float32 flat update, for baselines that upload one (FedAvg, FedZO)
+
+    @property
+    def numbers(self) -> np.ndarray:
+        """What the uplink says about the update: its dense update, or its scalars."""
+        return self.dense if self.dense is not None else self.grads
+
+    def with_numbers(self, values: np.ndarray) -> ClientUpdate:
+        """The same uplink carrying `values` (float32) in place of `numbers` (clipped, noised, or a lie)."""
+        values = np.asarray(values, np.float32)
+        return replace(self, **({"dense": values} if self.dense is not None else {"grads": values}))
 
 
 @dataclass(frozen=True, eq=False)

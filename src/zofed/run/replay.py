@@ -8,6 +8,7 @@ server did. The result is compared bit for bit with the run's `final/` tensors.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import yaml
 from safetensors.torch import load_file
 
 from zofed.fl.server import RoundInbox
-from zofed.run.checkpoint import find_checkpoint, load_checkpoint
+from zofed.run.checkpoint import find_checkpoint
 from zofed.run.config import ConfigError
 from zofed.run.federated import make_server
 from zofed.run.federated_config import FederatedConfig
@@ -46,7 +47,7 @@ def replay_run(run_dir: str | Path) -> Replay:
         raise ConfigError(f"{run_dir} has no final/trainable.safetensors to check a replay against: the run has "
                           "not finished")
     checkpoint = find_checkpoint(run_dir / "checkpoint")
-    trained = int(load_checkpoint(checkpoint)[1]["round"]) if checkpoint is not None else None
+    trained = json.loads((checkpoint / "meta.json").read_text())["round"] if checkpoint is not None else None
     if trained is not None and trained != len(rounds):
         raise LogError(f"the uplink log holds {len(rounds)} rounds and the run {trained}: the log was switched off "
                        "(federation.log_uplinks) for part of the run")
