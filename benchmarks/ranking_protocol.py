@@ -56,7 +56,8 @@ METHOD_OPTIONS = {"fedkseed": ["federation.pool_size=64"], "fedavg": ["federatio
 TENSORWISE = "federation.server_optimizer.granularity=tensor"
 # The ablations were measured with central queries, zofed's estimator before forward won; they keep it.
 CENTRAL = "zo.estimator=central"
-ROW_OPTIONS = {"zofed-central": [CENTRAL], "zofed-q8": ["zo.queries=8"], "zofed-shared": [CENTRAL, "federation.sampling.shared_seeds=true"],
+ROW_OPTIONS = {"zofed-central": [CENTRAL], "zofed-q8": ["zo.queries=8"],
+               "zofed-shared": [CENTRAL, "federation.sampling.shared_seeds=true"],
                "zofed-zo-adam": [CENTRAL, "optimizer.name=zo-adam"],
                "zofed-tensor": [CENTRAL, TENSORWISE], "zofed-uncached-tensor": [TENSORWISE],
                "zofed-cosine-tensor": [CENTRAL, TENSORWISE, "federation.server_optimizer.decay=cosine"],

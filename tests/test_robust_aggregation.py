@@ -8,9 +8,17 @@ import pytest
 import torch
 from toy_federation import tiny_federated_config
 
-from zofed.fl.aggregate import AGGREGATORS, Contribution, CoordinateMedian, TrimmedMean, WeightedMean, clip_update
+from zofed.fl.aggregate import (
+    AGGREGATORS,
+    Contribution,
+    CoordinateMedian,
+    SeedMedian,
+    TrimmedMean,
+    WeightedMean,
+    clip_update,
+)
 from zofed.fl.plan import FederationPlan
-from zofed.fl.protocol import ClientUpdate, encode
+from zofed.fl.protocol import ClientUpdate, decode, encode
 from zofed.fl.roles import ServerRole
 from zofed.fl.server import RoundInbox
 from zofed.fl.server_opt import make_server_optimizer
@@ -51,7 +59,7 @@ def test_trimmed_mean_and_median_are_per_coordinate_and_ignore_claimed_examples(
     assert TrimmedMean(trim=0.0).dropped(7) == 0 and TrimmedMean(trim=0.45).dropped(4) == 1  # one value kept
     with pytest.raises(ValueError, match="no accepted client update"):
         CoordinateMedian().update(like, [], {})
-    assert set(AGGREGATORS) == {"mean", "trimmed-mean", "median"}
+    assert set(AGGREGATORS) == {"mean", "trimmed-mean", "median", "seed-median"}
 
 
 def test_clipping_scales_an_uplink_down_to_the_bound_along_its_own_direction():
@@ -68,11 +76,11 @@ def test_clipping_scales_an_uplink_down_to_the_bound_along_its_own_direction():
     assert hit and np.allclose(clipped.dense, 1.0) and clipped.grads.shape == (0, 1)
 
 
-def _server_round(aggregator, clip_norm=None, attacker_scale=100.0):
-    """A zo-seeds server after one round of five uplinks with unit-size scalars, the last client's scaled."""
+def _server_round(aggregator, clip_norm=None, attacker_scale=100.0, method="zo-seeds"):
+    """A server after one round of five uplinks with unit-size scalars, the last client's scaled."""
     gen = torch.Generator().manual_seed(0)
     tensors = [torch.randn(n, generator=gen) for n in SIZES]
-    plan = FederationPlan("zo-seeds", 5, 5, 3, lr=0.1, eps=1e-2, run_seed=3)
+    plan = FederationPlan(method, 5, 5, 3, lr=0.1, eps=1e-2, run_seed=3)
     server = ServerRole(plan, tensors, None, make_server_optimizer("sgd", 1.0), aggregator, clip_norm)
     local, inbox = server.round_plan(0), RoundInbox()
     rng = np.random.default_rng(0)
@@ -103,6 +111,61 @@ def test_a_scaled_attacker_moves_the_mean_and_neither_the_clipped_mean_nor_the_m
     # the median of five with one liar lies between the honest clients' values, coordinate by coordinate
     median, honest, _ = _server_round(CoordinateMedian())
     assert np.all(median >= honest.min(axis=0) - 1e-6) and np.all(median <= honest.max(axis=0) + 1e-6)
+
+
+def test_the_seed_median_takes_each_shared_seeds_median_coefficient_without_a_dense_rebuild_per_client():
+    moved, honest, server = _server_round(SeedMedian(), method="decomfl")
+    local = server.round_plan(0)
+    # the expected update: one client whose coefficient on each shared seed is the median of the five clients'
+    updates = [decode(data) for _, data in server.last_received]
+    per_client = [server.contribution(u, local).directions for u in updates]
+    pert = per_client[0][0][0]
+    seeds = [seed for seed, _ in per_client[0][0][1]]
+    coefficients = np.array([[coeff for _, coeff in d[0][1]] for d in per_client])  # clients x seeds
+    assert all([seed for seed, _ in d[0][1]] == seeds for d in per_client)  # decomfl's clients share seeds
+    expected = Contribution(-1, 1, None, [(pert, list(zip(seeds, np.median(coefficients, axis=0), strict=True)))])
+    start = [torch.zeros(n) for n in SIZES]
+    assert np.allclose(moved, _flat(expected.rebuild(start)), atol=1e-6)
+    # the liar (the fifth client, x100) moves no seed's coefficient past the honest clients' range
+    honest_coeffs = coefficients[:-1]
+    medians = np.median(coefficients, axis=0)
+    assert np.all(medians >= honest_coeffs.min(axis=0)) and np.all(medians <= honest_coeffs.max(axis=0))
+    attacked_mean = _server_round(WeightedMean(), method="decomfl")[0]
+    assert np.linalg.norm(attacked_mean) > 10 * np.linalg.norm(moved)
+
+
+def test_the_seed_median_refuses_clients_with_seeds_of_their_own_and_dense_updates():
+    with pytest.raises(ValueError, match="share their step seeds"):
+        _server_round(SeedMedian(), method="zo-seeds")
+    like = [torch.zeros(n) for n in SIZES]
+    with pytest.raises(ValueError, match="is dense"):
+        SeedMedian().update(like, _dense(np.ones((2, sum(SIZES)), np.float32), [1, 1]), {})
+
+
+def test_the_seed_median_is_refused_where_a_rounds_clients_do_not_share_seeds(tiny_workspace, tmp_path):
+    for extra in (["federation.method=zo-seeds"], ["federation.method=zofed"], ["federation.method=fedavg"],
+                  ["federation.method=zofed", "federation.sampling.shared_seeds=true",
+                   "federation.sampling.personalize=false"]):
+        with pytest.raises(ConfigError, match="seed-median needs a round's clients to share their step seeds"):
+            tiny_federated_config(tiny_workspace, tmp_path / "bad", *extra, "federation.aggregator=seed-median")
+    for extra in (["federation.method=decomfl"], ["federation.method=hiso"],
+                  ["federation.method=zofed", "federation.sampling.shared_seeds=true"]):
+        tiny_federated_config(tiny_workspace, tmp_path / "ok", *extra, "federation.aggregator=seed-median")
+
+
+def test_a_seed_median_run_under_attack_finishes_and_replays(tiny_workspace, tmp_path):
+    from zofed.run.replay import replay_run
+
+    out = tmp_path / "seed-median"
+    config = tiny_federated_config(tiny_workspace, out, "federation.method=decomfl", "federation.clients_per_round=3",
+                                   "federation.aggregator=seed-median", "attack.kind=scale", "attack.fraction=0.25")
+    results = run_federated(config, show_progress=False)
+    assert results["eval_accuracy_final"] is not None
+    assert replay_run(out).matches
+    with pytest.raises(ConfigError, match="needs mezo"):
+        run_federated(tiny_federated_config(tiny_workspace, tmp_path / "adam", "federation.method=decomfl",
+                                            "federation.aggregator=seed-median", "optimizer.name=zo-adam"),
+                      show_progress=False)
 
 
 def test_a_run_with_a_robust_aggregator_and_clipping_records_the_clipped_uplinks(tiny_workspace, tmp_path):

@@ -9,7 +9,8 @@ densely, and one that needs each client's update (a median, a clipped mean) can 
 then hands it the round already summed per (seed, tensor) on arrays (`PooledTerms`, pooled.py), when the method
 can (`Method.pooled_terms`), and skips building a `Contribution` per client.
 
-Against clients that lie, `trimmed-mean` and `median` look at each client's update coordinate by coordinate, and
+Against clients that lie, `trimmed-mean` and `median` look at each client's update coordinate by coordinate,
+`seed-median` (rounds whose clients share their step seeds) at each client's coefficient on each seed's noise, and
 `clip_update` bounds what one uplink can carry before any aggregator (or the method's `observe`) reads it.
 """
 
@@ -146,6 +147,51 @@ class CoordinateMedian(TrimmedMean):
         return (clients - 1) // 2
 
 
+@dataclass(frozen=True)
+class SeedMedian:
+    """For rounds whose clients share their step seeds (DeComFL, HiSo, zofed with shared seeds): per (seed, tensor),
+    the median over the round's clients of the coefficient each put on that seed's noise, and each seed's noise
+    regenerated once, as in the mean. A client whose steps on a seed did not move a tensor puts 0 on it. Every
+    client counts once. Nothing is rebuilt densely per client: the server holds clients x seeds x tensors numbers,
+    not clients x trainable values, and a liar moves each seed's coefficient at most to the edge of the honest ones.
+    (With zofed's personal blocks, a tensor that fewer than half of the clients moved on a seed gets 0 there.)"""
+
+    name: str = "seed-median"
+
+    def init(self) -> dict[str, Any]:
+        return {}
+
+    def update(self, like: Sequence[torch.Tensor], contributions: Sequence[Contribution],
+               state: dict[str, Any]) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        if not contributions:
+            raise ValueError("no accepted client update to aggregate")
+        n, ones = len(contributions), np.ones(len(like))
+        # noise key -> (the perturbation without scales, seed -> clients x tensors coefficients), in first-use order
+        pooled: dict[tuple, tuple[Perturbation, dict[int, np.ndarray]]] = {}
+        for i, c in enumerate(contributions):
+            if c.dense is not None:
+                raise ValueError(f"seed-median takes seed-and-scalar updates that pool per seed; client "
+                                 f"{c.client_id}'s is dense (a first-order method or a stateful local optimizer): "
+                                 f"use median")
+            for pert, terms in c.directions:
+                key = pert.noise_key()
+                if key is None:
+                    raise ValueError("seed-median cannot pool steps tilted towards the server's momentum "
+                                     "(federation.sampling.tilt)")
+                scales = ones if pert.scales is None else np.asarray(pert.scales, dtype=np.float64)
+                rows = pooled.setdefault(key, (replace(pert, scales=None), {}))[1]
+                for seed, coeff in terms:
+                    rows.setdefault(seed, np.zeros((n, len(like))))[i] += coeff * scales
+        used = [{seed for _, terms in c.directions for seed, _ in terms} for c in contributions]
+        if any(seeds != used[0] for seeds in used):
+            raise ValueError("seed-median needs the round's clients to share their step seeds (decomfl, hiso, or "
+                             "zofed with federation.sampling.shared_seeds); these clients used seeds of their own")
+        median = [torch.zeros_like(t) for t in like]
+        for pert, rows in pooled.values():
+            add_seed_rows_(median, list(rows), np.median(np.stack(list(rows.values())), axis=1), pert)
+        return median, state
+
+
 def clip_update(update: ClientUpdate, bound: float) -> tuple[ClientUpdate, bool]:
     """The uplink with its numbers scaled down to an L2 norm of at most `bound` (the scalars of a seed-and-scalar
     uplink, the update of a dense one), and whether it had to be: one client then moves the round at most so far."""
@@ -161,6 +207,7 @@ AGGREGATORS: dict[str, Callable[..., Any]] = {
     "mean": lambda trim: WeightedMean(),
     "trimmed-mean": lambda trim: TrimmedMean(trim=trim),
     "median": lambda trim: CoordinateMedian(),
+    "seed-median": lambda trim: SeedMedian(),
 }
 
 

@@ -83,7 +83,8 @@ class FederationSection(_Section):
     pool_size: int = Field(64, ge=1)  # fedkseed's shared seed pool
     first_order_optimizer: Literal["adamw", "sgd"] = "adamw"  # fedavg, fedadam: clients back-propagate
     first_order_lr: float = Field(1e-3, gt=0)
-    aggregator: str = "mean"  # how the clients' updates combine (fl/aggregate.py): mean, trimmed-mean, median
+    # how the clients' updates combine (fl/aggregate.py): mean, trimmed-mean, median, seed-median (shared seeds)
+    aggregator: str = "mean"
     trim: float = Field(0.1, ge=0, lt=0.5)  # trimmed-mean: the share of clients dropped at each end, per coordinate
     # Each accepted uplink's numbers (its scalars, or a dense update) are scaled down to at most this L2 norm
     # before they are aggregated: the bound on how far one client can move a round. None: no bound.
@@ -141,6 +142,17 @@ class FederationSection(_Section):
         if self.trim != FederationSection.model_fields["trim"].default and self.aggregator != "trimmed-mean":
             raise ValueError(f"federation.trim is a setting of the trimmed-mean aggregator, not of "
                              f"{self.aggregator}")
+        return self
+
+    @model_validator(mode="after")
+    def _seed_median_needs_shared_seeds(self) -> FederationSection:
+        if self.aggregator != "seed-median":
+            return self
+        rounds = get_method(get_method(self.method).round_method(self.sampling.personalize))
+        if not rounds.shares_seeds(self.sampling.shared_seeds):
+            raise ValueError(f"federation.aggregator seed-median needs a round's clients to share their step seeds; "
+                             f"{self.method}'s do not here (decomfl and hiso share them, zofed with "
+                             f"federation.sampling.shared_seeds=true): use median")
         return self
 
     @model_validator(mode="after")

@@ -98,6 +98,11 @@ class Method:
         with a cached prefix its frozen bottom once and two passes over the top per query (zo/prefix.py)."""
         return local.local_steps * forward_equivalents(local.pass_fraction, local.queries, local.estimator)
 
+    def shares_seeds(self, shared_seeds_setting: bool) -> bool:
+        """Whether a round's clients step on the same seeds (what the `seed-median` aggregator needs); zofed's
+        clients do when `federation.sampling.shared_seeds` says so."""
+        return False
+
     # --- both sides --------------------------------------------------------------------------------------
     def step_seeds(self, local: LocalTraining, client_id: int) -> StepSeeds:
         return private_seeds(local, client_id)

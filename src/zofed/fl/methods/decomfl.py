@@ -12,5 +12,8 @@ class DeComFL(Method):
     name = "decomfl"
     summary = "MeZO local steps on seeds shared by the round's clients; scalars merged per seed on the server"
 
+    def shares_seeds(self, shared_seeds_setting: bool) -> bool:
+        return True
+
     def step_seeds(self, local: LocalTraining, client_id: int) -> StepSeeds:
         return private_seeds(local, streams.SHARED_OWNER)

@@ -65,6 +65,9 @@ class HiSo(Method):
     def __init__(self) -> None:
         self._last: tuple[np.ndarray, list[torch.Tensor]] | None = None  # the state last split into tensors
 
+    def shares_seeds(self, shared_seeds_setting: bool) -> bool:
+        return True
+
     def step_seeds(self, local: LocalTraining, client_id: int) -> StepSeeds:
         return private_seeds(local, streams.SHARED_OWNER)
 

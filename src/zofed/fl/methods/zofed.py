@@ -96,6 +96,9 @@ class Zofed(Method):
     def round_plan(self, local: LocalTraining, sampling: BlockSampling) -> LocalTraining:
         return replace(local, tilt=sampling.tilt, blocks=sampling.blocks, shared_seeds=int(sampling.shared_seeds))
 
+    def shares_seeds(self, shared_seeds_setting: bool) -> bool:
+        return shared_seeds_setting
+
     def step_seeds(self, local: LocalTraining, client_id: int) -> StepSeeds:
         return private_seeds(local, streams.SHARED_OWNER if local.shared_seeds else client_id)
 
