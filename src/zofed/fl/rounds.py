@@ -33,7 +33,15 @@ class Failure:
     reason: str
 
 
-Deliver = Callable[[int, Sequence[tuple[int, bytes]]], dict[int, "bytes | Failure"]]
+@dataclass(frozen=True)
+class Summed:
+    """A client whose uplink reached the server only inside client `into`'s reply: a secure sum of the round's
+    scalars (flower/secure.py). It counts as accepted; its numbers are in that one uplink."""
+
+    into: int
+
+
+Deliver = Callable[[int, Sequence[tuple[int, bytes]]], dict[int, "bytes | Failure | Summed"]]
 
 
 class RoundFailed(RuntimeError):
@@ -57,15 +65,23 @@ def run_round(server: ServerRole, round_id: int, deliver: Deliver, *, min_accept
     downlinks = [(c, server.downlink(local, c)) for c in sampled]
     replies = deliver(round_id, downlinks)
     inbox = RoundInbox()
+    summed = 0  # clients whose scalars came inside another's secure sum
     for client_id in sampled:
         reply = replies.get(client_id, Failure("missing: no reply"))
         if isinstance(reply, Failure):
             inbox.rejected.append((client_id, reply.reason))
+        elif isinstance(reply, Summed):
+            summed += 1
         else:
             server.receive(inbox, local, client_id, reply)
+    if summed and not any(u.client_id in {r.into for r in replies.values() if isinstance(r, Summed)}
+                          for u in inbox.accepted):  # the sum itself was refused: so were its parts
+        inbox.rejected.extend((c, "the secure sum holding its scalars was refused") for c in sampled
+                              if isinstance(replies.get(c), Summed))
+        summed = 0
     losses = [u.metrics["train_loss"] for u in inbox.accepted if "train_loss" in u.metrics]
     per_client = server.method.forward_passes(local)
-    record = {"round": round_id + 1, "clients": sampled, "accepted": len(inbox.accepted),
+    record = {"round": round_id + 1, "clients": sampled, "accepted": len(inbox.accepted) + summed,
               "rejected": [{"client": c, "reason": r} for c, r in inbox.rejected],
               "bytes_up_per_client": float(np.mean(inbox.bytes_up)) if inbox.bytes_up else 0.0,
               "bytes_down_per_client": float(np.mean([len(d) for _, d in downlinks])),
@@ -73,11 +89,13 @@ def run_round(server: ServerRole, round_id: int, deliver: Deliver, *, min_accept
               # every round samples the same number of clients, so the run's compute so far is a product
               "forward_passes_per_client": per_client,
               "forward_passes": per_client * len(sampled) * (round_id + 1)}
-    if len(inbox.accepted) < min_accepted:
+    if summed:
+        record["secure_sum_of"] = len(inbox.accepted) + summed
+    if len(inbox.accepted) + summed < min_accepted:
         record.update(round_seconds=round(time.perf_counter() - t0, 3), peak_rss_mib=peak_rss_mib())
         reasons = "; ".join(f"client {c}: {r}" for c, r in inbox.rejected)
-        raise RoundFailed(f"round {round_id + 1}: {len(inbox.accepted)} of {len(sampled)} sampled clients gave a "
-                          f"usable uplink, fewer than the {min_accepted} the round needs ({reasons})", record)
+        raise RoundFailed(f"round {round_id + 1}: {len(inbox.accepted) + summed} of {len(sampled)} sampled clients "
+                          f"gave a usable uplink, fewer than the {min_accepted} the round needs ({reasons})", record)
     server.aggregate(local, inbox)
     if server.clip_norm is not None:
         record["clipped"] = server.last_clipped

@@ -18,6 +18,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from zofed.flower.client import answer_query, train_client
+from zofed.flower.secure import secure_mod
 
 
 def make_server_app(config: Any = None, *, resume: bool = False, console: Any = None, show_progress: bool = False,
@@ -79,7 +80,7 @@ def make_client_app(config_text: str | None = None) -> ClientApp:
     def query(message: Message, context: Context) -> Message:
         return answer_query(message, context)
 
-    @app.train()
+    @app.train(mods=[secure_mod])  # SecAgg+ for the messages of a secure round; others pass through
     def train(message: Message, context: Context) -> Message:
         return train_client(message, context, config_text)
 

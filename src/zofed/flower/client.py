@@ -65,8 +65,14 @@ def train_client(message: Message, context: Context, text: str | None = None) ->
     """Decode the downlink, train this node's client, reply with the encoded uplink. `text` is the run's config
     YAML (the simulation's); without it the config is the run config's `zofed-config` with its flat keys laid
     over it, as the ServerApp resolves it. Errors propagate: Flower turns them into an error reply that the
-    server counts."""
-    downlink, client_id, round_id = read_train(message)
+    server counts. A secure round's message (flower/secure.py) is answered in the layout SecAgg+ masks."""
+    from zofed.flower.secure import is_secure_train, read_secure_train, secure_reply
+
+    secure = is_secure_train(message)
+    if secure:
+        downlink, client_id, round_id, scalar_range = read_secure_train(message)
+    else:
+        downlink, client_id, round_id = read_train(message)
     partition_id, _ = node_partition(context.node_config)
     if client_id != partition_id:
         raise ValueError(f"asked to train client {client_id}, but this SuperNode holds partition {partition_id}")
@@ -78,4 +84,6 @@ def train_client(message: Message, context: Context, text: str | None = None) ->
     if not 0 <= client_id < len(worker.indices):
         raise ValueError(f"client {client_id} is outside the partition's {len(worker.indices)} clients")
     uplink = worker.role.train(downlink, client_id, worker.indices[client_id], round_id)
+    if secure:
+        return secure_reply(message, uplink, scalar_range)
     return Message(uplink_content(uplink, client_id), reply_to=message)

@@ -19,8 +19,9 @@ from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 
 from zofed.fl.client import load_tensors_
-from zofed.fl.rounds import Failure, RoundFailed, run_round
+from zofed.fl.rounds import Failure, RoundFailed, Summed, run_round
 from zofed.flower.messages import QUERY, TRAIN, error_reason, flower_nbytes, read_partition, read_uplink, train_content
+from zofed.flower.secure import secure_deliver
 from zofed.run.federated import FederatedRun
 
 log = logging.getLogger("zofed.flower")
@@ -92,7 +93,9 @@ def flower_round(grid: Grid, run: FederatedRun, round_id: int, client_node: dict
     flower_up: list[int] = []
     flower_down: list[int] = []
 
-    def deliver(round_id: int, downlinks) -> dict[int, bytes | Failure]:
+    def deliver(round_id: int, downlinks) -> dict[int, bytes | Failure | Summed]:
+        if run.config.flower.secure_aggregation:
+            return deliver_securely(round_id, downlinks)
         sent: dict[int, Message] = {}
         for client_id, downlink in downlinks:
             message = Message(train_content(downlink, client_id, round_id), dst_node_id=client_node[client_id],
@@ -120,6 +123,18 @@ def flower_round(grid: Grid, run: FederatedRun, round_id: int, client_node: dict
             counts["missing"] += 1
             replies[client_id] = Failure(f"missing: no reply within {timeout:g} s (flower.reply_timeout)")
         return replies
+
+    def deliver_securely(round_id: int, downlinks) -> dict[int, bytes | Failure | Summed]:
+        largest = max(len(s.train) for s in run.splits)  # SecAgg+ weighs each client by its examples up to this
+        secure = secure_deliver(grid, round_id, downlinks, client_node,
+                                run.config.flower.secagg_range, largest, timeout)
+        failed = sum(isinstance(r, Failure) for r in secure.replies.values())
+        counts["client_errors"] += failed
+        counts["secagg_clipped"] = secure.clipped
+        # every SecAgg+ stage's messages, shared out over the round's clients
+        flower_up.extend([secure.flower_bytes_up / len(downlinks)] * len(downlinks))
+        flower_down.extend([secure.flower_bytes_down / len(downlinks)] * len(downlinks))
+        return secure.replies
 
     def flower_fields(record: dict) -> dict:
         return {**record, **counts, "flower_bytes_up_per_client": float(np.mean(flower_up)) if flower_up else 0.0,

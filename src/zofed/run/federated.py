@@ -292,6 +292,9 @@ def run_federated(config: FederatedConfig, *, resume: bool = False, show_progres
                   console: Console | None = None) -> dict[str, Any]:
     """Run the configured federation on the in-process engine; returns (and writes) the final results."""
     console = console or Console()
+    if config.flower.secure_aggregation:
+        raise ConfigError("flower.secure_aggregation runs on the Flower backend (zofed run --backend flower); the "
+                          "in-process engine has no separate clients to hide numbers from")
     run = prepare_run(config, resume=resume, console=console)
     t0 = time.perf_counter()
     with run.progress(console, show_progress) as on_round:

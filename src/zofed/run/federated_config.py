@@ -175,6 +175,17 @@ class FlowerSection(_Section):
     node_timeout: float = Field(120.0, gt=0)  # seconds to wait for every SuperNode to connect
     client_cpus: float = Field(1.0, gt=0)  # simulation: cores each simulated SuperNode holds
     client_gpus: float = Field(0.0, ge=0)  # simulation: share of a GPU each simulated SuperNode holds (0.25: 4 a GPU)
+    # SecAgg+ (flower/secure.py): the server learns only the round's example-weighted mean of the clients' scalars,
+    # for methods whose server needs no more (decomfl, hiso). Each scalar is clipped to +-secagg_range and
+    # quantized to 2^22 levels over that range.
+    secure_aggregation: bool = False
+    secagg_range: float = Field(100.0, gt=0)
+
+    @model_validator(mode="after")
+    def _range_only_when_secure(self) -> FlowerSection:
+        if not self.secure_aggregation and self.secagg_range != FlowerSection.model_fields["secagg_range"].default:
+            raise ValueError("flower.secagg_range is a setting of flower.secure_aggregation: set it to true")
+        return self
 
 
 class AttackSection(_Section):
@@ -202,6 +213,32 @@ class FederatedConfig(FinetuneConfig):
     flower: FlowerSection = Field(default_factory=FlowerSection)
     attack: AttackSection = Field(default_factory=AttackSection)
     out_dir: str = "runs/federated"
+
+    @model_validator(mode="after")
+    def _secure_aggregation_where_a_sum_suffices(self) -> FederatedConfig:
+        if not self.flower.secure_aggregation:
+            return self
+        fed = self.federation
+        rounds = get_method(get_method(fed.method).round_method(fed.sampling.personalize))
+        problems = []
+        if not rounds.sum_suffices:
+            problems.append(f"{fed.method}'s server needs each client's own numbers (secure aggregation serves "
+                            f"decomfl and hiso, whose clients share seeds and whose server reads only their sum)")
+        if fed.aggregator != "mean":
+            problems.append(f"federation.aggregator {fed.aggregator} looks at each client's update; use mean")
+        if fed.clip_norm is not None and fed.dp_at != "client":
+            problems.append("the server cannot clip numbers it never sees: drop federation.clip_norm, or clip at "
+                            "the clients with federation.dp_at=client")
+        if fed.screen_threshold is not None:
+            problems.append("screening scores each client's update, which the server never sees")
+        if self.optimizer.name != "mezo":
+            problems.append(f"optimizer.name={self.optimizer.name!r}: a stateful local optimizer's update is not a "
+                            f"sum of scalars along the shared seeds; use mezo")
+        if fed.clients_per_round < 2:
+            problems.append("a sum of one client is that client's numbers: set federation.clients_per_round >= 2")
+        if problems:
+            raise ValueError("flower.secure_aggregation: " + "; ".join(problems))
+        return self
 
     @model_validator(mode="after")
     def _no_centralized_only(self) -> FederatedConfig:

@@ -77,6 +77,9 @@ class Method:
     first_order: ClassVar[bool] = False  # clients back-propagate
     dense_uplink: ClassVar[bool] = False  # the uplink carries the dense update, not seeds and scalars
     uses_sampling: ClassVar[bool] = False  # reads federation.sampling.* (zofed's personalized sampling)
+    # the server needs only the example-weighted mean of the round's scalars (shared seeds, no per-client state):
+    # what secure aggregation lets it see (flower/secure.py)
+    sum_suffices: ClassVar[bool] = False
     server_default: ClassVar[ServerDefault] = ServerDefault()
 
     # --- the run ---------------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ class DeComFL(Method):
     name = "decomfl"
     summary = "MeZO local steps on seeds shared by the round's clients; scalars merged per seed on the server"
 
+    sum_suffices = True
+
     def shares_seeds(self, shared_seeds_setting: bool) -> bool:
         return True
 

@@ -65,6 +65,8 @@ class HiSo(Method):
     def __init__(self) -> None:
         self._last: tuple[np.ndarray, list[torch.Tensor]] | None = None  # the state last split into tensors
 
+    sum_suffices = True
+
     def shares_seeds(self, shared_seeds_setting: bool) -> bool:
         return True
 
