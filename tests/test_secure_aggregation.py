@@ -2,6 +2,7 @@
 plain run's model within SecAgg+'s quantization, the server sees only the sum, and settings that need each
 client's numbers are refused."""
 
+import copy
 import json
 import time
 
@@ -11,7 +12,7 @@ from safetensors.torch import load_file
 
 pytest.importorskip("flwr", reason="secure aggregation runs on the Flower backend (pip install 'zofed[flower]')")
 
-from flwr.app import Message, Metadata, RecordDict  # noqa: E402
+from flwr.app import Context, Message, Metadata, RecordDict  # noqa: E402
 from flwr.common import FitIns, Parameters  # noqa: E402
 from flwr.compat.common import recorddict_compat as compat  # noqa: E402
 from toy_federation import tiny_federated_config  # noqa: E402
@@ -110,3 +111,74 @@ def test_settings_that_need_each_clients_numbers_are_refused(tiny_workspace, tmp
                                "federation.clip_norm=1", "federation.dp_noise=0.5", "federation.dp_at=client")
     with pytest.raises(ConfigError, match="runs on the Flower backend"):
         run_federated(ok, show_progress=False)
+
+
+class _InProcessGrid:
+    """A Grid delivering each message to a ClientApp in this process, one Context per node (SecAgg+ keeps its
+    client state there): SecAgg+'s four stages without Flower's engine."""
+
+    def __init__(self, app, nodes):
+        self.app = app
+        self.contexts = {n: Context(1, n, {}, RecordDict(), {}) for n in nodes}
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = []
+        for message in messages:
+            node = message.metadata.dst_node_id
+            delivered = copy.deepcopy(message)  # each node gets its own copy, as over the wire
+            try:
+                replies.append(self.app(delivered, self.contexts[node]))
+            except RuntimeError:  # Flower turns a ClientApp's exception into an error reply; here: no reply
+                continue
+        return replies
+
+
+def _secure_round(monkeypatch, grads, examples, drop=(), forge=()):
+    """secure_deliver over an in-process grid whose client c sends `grads[c]` with `examples[c]` examples; clients
+    in `drop` fail while training, those in `forge` send another client's header."""
+    from flwr.clientapp import ClientApp
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from zofed.flower.secure import secure_deliver, secure_mod
+
+    for key, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 0)):  # the server's, as in a Flower run
+        monkeypatch.setattr(TaskIdentity, key, value)
+    app = ClientApp()
+
+    @app.train(mods=[secure_mod])
+    def train(message, context):
+        downlink, client, round_id, scalar_range = read_secure_train(message)
+        if client in drop:
+            raise RuntimeError(f"client {client} crashed")
+        header_id = (client + 1) % len(grads) if client in forge else client
+        update = ClientUpdate(round_id, header_id, np.zeros(0, np.uint64), 5, grads[client], examples[client],
+                              {"train_loss": 1.0})
+        return secure_reply(message, encode(update), scalar_range)
+
+    nodes = {c: 100 + c for c in range(len(grads))}
+    return secure_deliver(_InProcessGrid(app, nodes.values()), 3, [(c, b"down") for c in nodes], nodes, 10.0,
+                          max(examples), timeout=None)
+
+
+def test_secagg_plus_unmasks_the_weighted_mean_survives_a_dropout_and_refuses_a_forged_header(monkeypatch):
+    from zofed.fl.rounds import Failure, Summed
+
+    rng = np.random.default_rng(0)
+    grads = [rng.normal(size=(4, 2)).astype(np.float32) for _ in range(4)]
+    examples = [10, 20, 30, 40]
+    full = _secure_round(monkeypatch, grads, examples)
+    mean = sum(n * g.astype(np.float64) for n, g in zip(examples, grads, strict=True)) / sum(examples)
+    summed = decode(full.replies[0])
+    assert summed.num_examples == 100 and np.allclose(summed.grads, mean, atol=2 * 20 / 2**22)
+    assert all(full.replies[c] == Summed(0) for c in (1, 2, 3)) and full.clipped == 0
+    assert full.flower_bytes_up > 4 * len(full.replies[0])  # keys, shares and masked vectors
+    # client 2 crashes after the keys are shared: its masks are recovered from the others' shares
+    dropped = _secure_round(monkeypatch, grads, examples, drop={2})
+    rest = [0, 1, 3]
+    mean = sum(examples[c] * grads[c].astype(np.float64) for c in rest) / sum(examples[c] for c in rest)
+    assert np.allclose(decode(dropped.replies[0]).grads, mean, atol=2 * 20 / 2**22)
+    assert isinstance(dropped.replies[2], Failure) and dropped.replies[2].reason.startswith("client_error")
+    assert dropped.replies[1] == dropped.replies[3] == Summed(0)
+    # a client that names another in its clear part spoils the sum, which cannot be taken apart: all refused
+    forged = _secure_round(monkeypatch, grads, examples, forge={1})
+    assert all(isinstance(r, Failure) and "another client's header" in r.reason for r in forged.replies.values())

@@ -154,14 +154,21 @@ def secure_deliver(grid: Grid, round_id: int, downlinks: Sequence[tuple[int, byt
     replies: dict[int, Any] = {}
     clipped = 0
     if strategy.results:
-        parts = sorted((node_client[node], res) for node, res in strategy.results)
-        mean = np.asarray(parameters_to_ndarrays(parts[0][1].parameters)[0], np.float64)
-        carrier = parts[0][0]
-        headers = [decode(res.metrics["header"], expect_round=round_id) for _, res in parts]
-        uplink = summed_uplink(headers, [c for c, _ in parts], mean, [res.metrics["train-loss"] for _, res in parts])
-        replies[carrier] = uplink
-        replies.update({c: Summed(carrier) for c, _ in parts[1:]})
-        clipped = sum(int(res.metrics["clipped"]) for _, res in parts)
+        parts = sorted(((node_client[node], res) for node, res in strategy.results), key=lambda part: part[0])
+        try:
+            mean = np.asarray(parameters_to_ndarrays(parts[0][1].parameters)[0], np.float64)
+            headers = [decode(res.metrics["header"], expect_round=round_id) for _, res in parts]
+            losses = [float(res.metrics["train-loss"]) for _, res in parts]
+            clipped = sum(int(res.metrics["clipped"]) for _, res in parts)
+            uplink = summed_uplink(headers, [c for c, _ in parts], mean, losses)
+        except (ValueError, KeyError, TypeError, IndexError) as err:
+            # one bad clear part spoils the sum: it cannot be taken apart again
+            replies.update({c: Failure(f"bad_reply: the round's secure sum cannot be checked: {err}")
+                            for c, _ in parts})
+        else:
+            carrier = parts[0][0]
+            replies[carrier] = uplink
+            replies.update({c: Summed(carrier) for c, _ in parts[1:]})
     reason = "secure aggregation left this client out (no reply, an error, or too few shares to unmask)"
     for c, _ in downlinks:
         replies.setdefault(c, Failure(f"client_error: {reason}"))
