@@ -38,6 +38,7 @@ ROWS: dict[str, tuple[str, bool]] = {
     "zofed-uncached-tensor": ("zofed", False),
     "zofed-cosine-tensor": ("zofed", True),  # the server lr falls along a cosine to zero over the run
     "zofed-cosine": ("zofed", True),  # zofed's defaults with that cosine (its late rounds drifted down at constant lr)
+    "zofed-avg": ("zofed", True),  # zofed's defaults, releasing the mean of the second half's server iterates
     "zofed-beta1-0.5": ("zofed", True),  # a server momentum that forgets in 2 rounds, not 10
     "zofed-beta1-ramp": ("zofed", True),  # server beta1 rising from 0.5 to 0.9 over the run
     "zofed-features": ("zofed", True),  # noise scaled by 1 / RMS of each coordinate's input feature
@@ -59,6 +60,7 @@ TENSORWISE = "federation.server_optimizer.granularity=tensor"
 CENTRAL = "zo.estimator=central"
 ROW_OPTIONS = {"zofed-central": [CENTRAL], "zofed-q8": ["zo.queries=8"],
                "zofed-cosine": ["federation.server_optimizer.decay=cosine"],
+               "zofed-avg": ["federation.average_from=0.5"],
                "zofed-shared": [CENTRAL, "federation.sampling.shared_seeds=true"],
                "zofed-zo-adam": [CENTRAL, "optimizer.name=zo-adam"],
                "zofed-tensor": [CENTRAL, TENSORWISE], "zofed-uncached-tensor": [TENSORWISE],

@@ -50,7 +50,8 @@ class ServerRole:
     def __init__(self, plan: FederationPlan, tensors: Sequence[torch.Tensor],
                  masks: Sequence[torch.Tensor | None] | None = None, optimizer: ServerOptimizer | None = None,
                  aggregator: Any = None, clip_norm: float | None = None, screen: Screen | None = None,
-                 dp_noise: float | None = None, dp_delta: float = 1e-5, dp_at_clients: bool = False) -> None:
+                 dp_noise: float | None = None, dp_delta: float = 1e-5, dp_at_clients: bool = False,
+                 average_from: int | None = None) -> None:
         self.plan = plan
         self.method = get_method(plan.method)
         self.tensors = [t.detach().to("cpu", copy=True) for t in tensors]  # the server computes on the CPU
@@ -73,6 +74,11 @@ class ServerRole:
         self.last_received: list[tuple[int, bytes]] = []  # ... and the last aggregated round's
         self.last_rejected: list[tuple[int | None, str]] = []  # the last aggregated round's rejections
         self.agg_state = self.aggregator.init()
+        # Tail averaging: from round `average_from` on, the model evaluated and released is the mean of the server's
+        # iterates since then; the clients still train from the last iterate. None: the last iterate is the model.
+        self.average_from = average_from
+        self.average: list[torch.Tensor] | None = None
+        self.averaged = 0  # iterates in the average
         self.num_trainable = sum(t.numel() for t in self.tensors)
         self.method_state = self.method.init_state(self)
         self._sent: dict[int, np.ndarray] = {}  # each client's server state this round, for its rebuild
@@ -154,12 +160,27 @@ class ServerRole:
             times.append(time.perf_counter())
             self.opt_state = self.optimizer.apply(self.tensors, self.opt_state, delta, **extras)
             times.append(time.perf_counter())
+        if self.average_from is not None and local.round_id >= self.average_from:
+            self._add_to_average()
         self._sent.clear()
         self._steps = None
         self.last_received, self.received = self.received, []
         self.last_rejected = list(inbox.rejected)
         phases = ("rebuild", "observe", "optimizer")
         self.last_seconds = {p: b - a for p, a, b in zip(phases, times, times[1:], strict=False)}
+
+    def _add_to_average(self) -> None:
+        """Fold this round's iterate into the running mean of the averaged rounds."""
+        self.averaged += 1
+        if self.average is None:
+            self.average = [t.clone() for t in self.tensors]
+            return
+        for a, t in zip(self.average, self.tensors, strict=True):
+            a.add_(t - a, alpha=1.0 / self.averaged)
+
+    def model_tensors(self) -> list[torch.Tensor]:
+        """The model the run evaluates and releases: the tail average once it has begun, else the last iterate."""
+        return self.average if self.average is not None else self.tensors
 
     def _screen(self, local: LocalTraining, inbox: RoundInbox) -> None:
         """Refuse the updates whose score is above the screen's threshold, as rejected uplinks with their score:
@@ -182,6 +203,9 @@ class ServerRole:
             state["method"] = self.method_state.to_tensors()
         if self.agg_state:  # an aggregator with memory across rounds keeps named tensors (the mean has none)
             state["aggregator"] = dict(self.agg_state)
+        if self.average is not None:
+            state["average"] = {"count": torch.tensor([self.averaged], dtype=torch.int64),
+                                **{f"t.{i}": t.contiguous() for i, t in enumerate(self.average)}}
         return state
 
     def load_state(self, tensors: Sequence[torch.Tensor], state: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -190,6 +214,9 @@ class ServerRole:
         if self.method_state is not None:
             self.method_state.load_tensors(state["method"])
         self.agg_state = dict(state.get("aggregator", self.aggregator.init()))
+        average = state.get("average")
+        self.averaged = 0 if average is None else int(average["count"][0])
+        self.average = None if average is None else [average[f"t.{i}"].clone() for i in range(len(self.tensors))]
 
 
 class ClientRole:

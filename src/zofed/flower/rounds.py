@@ -146,7 +146,7 @@ def flower_round(grid: Grid, run: FederatedRun, round_id: int, client_node: dict
         run.metrics.write({"step": round_id + 1, "event": "round_failed", **flower_fields(err.record)})
         raise FederationError(f"{err} (flower.min_clients)") from None
     record = flower_fields(record)
-    load_tensors_(run.setup.trainable.tensors(), run.server.tensors)  # the server's model evaluates and is saved
+    load_tensors_(run.setup.trainable.tensors(), run.server.model_tensors())  # the model evaluated and saved
     record.update(run.evaluate(round_id + 1))
     run.checkpoint(round_id + 1, run.server)
     return record

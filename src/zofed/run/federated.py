@@ -220,7 +220,7 @@ def make_server(config: FederatedConfig, trainable: TrainableParams, num_clients
         return ServerRole(plan, trainable.tensors(), trainable.masks,
                           optimizer or fed.server_optimizer.build(fed.method, fed.rounds),
                           make_aggregator(fed.aggregator, fed.trim), fed.clip_norm, screen, fed.dp_noise,
-                          fed.dp_delta, fed.dp_at == "client")
+                          fed.dp_delta, fed.dp_at == "client", fed.average_start())
     except ValueError as err:  # the method's own settings that cannot go with the rest (e.g. a tilt without momentum)
         raise ConfigError(f"federation: {err}") from None
 

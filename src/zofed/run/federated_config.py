@@ -104,9 +104,16 @@ class FederationSection(_Section):
     server_optimizer: ServerOptimizerSection = Field(default_factory=ServerOptimizerSection)
     sampling: SamplingSection = Field(default_factory=SamplingSection)
     eval_every: int = Field(1, ge=1)  # rounds between evaluations on the fixed test subset
+    # Tail averaging: after this share of the rounds, the model evaluated and released is the mean of the server's
+    # iterates since (the clients still train from the last one). None: the last iterate.
+    average_from: float | None = Field(None, ge=0, lt=1)
     # Append every accepted uplink, hash-chained, to the run's uplinks.jsonl (run/uplink_log.py, `zofed replay`).
     # A ZO uplink is a few hundred bytes; a dense one (fedavg, fedadam) holds the whole update.
     log_uplinks: bool = True
+
+    def average_start(self) -> int | None:
+        """The first round (0-based) whose iterate is averaged, or None."""
+        return None if self.average_from is None else int(self.average_from * self.rounds)
 
     @field_validator("method")
     @classmethod

@@ -75,8 +75,8 @@ def replay_run(run_dir: str | Path) -> Replay:
         server.aggregate(local, inbox)
         count += len(logged.uplinks)
     saved = load_file(str(final))
-    replayed = {name: t.view_as(p) for name, t, p in zip(trainable.names, server.tensors, trainable.params,
-                                                          strict=True)}
+    replayed = {name: t.view_as(p) for name, t, p in zip(trainable.names, server.model_tensors(),
+                                                          trainable.params, strict=True)}
     if set(saved) != set(replayed):
         raise LogError(f"final/ holds other tensors ({sorted(saved)[:3]}...) than the logged run trains")
     diff = max(float((saved[k].float() - replayed[k].float()).abs().max()) for k in saved) if saved else 0.0

@@ -84,6 +84,8 @@ def _resolved_view(config: FinetuneConfig) -> dict[str, Any]:
         section, fed = config.federation.server_optimizer, config.federation
         section.build(fed.method, fed.rounds)  # settings that do not go together fail here, naming the section
         flat.update({prefix + k: v for k, v in section.resolved(fed.method, fed.rounds).items()})
+        # the round the tail average starts at is a share of the rounds: more rounds would move it
+        flat["federation.average_start"] = fed.average_start()
     return flat
 
 

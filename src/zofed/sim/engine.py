@@ -49,7 +49,7 @@ def simulate(ctx: ClientContext, client_indices: Sequence[np.ndarray], server: S
     result = SimulationResult(server.tensors)
     for round_id in range(start_round, rounds):
         record = run_round(server, round_id, deliver)
-        client.load_global(server.tensors)
+        client.load_global(server.model_tensors())  # the model evaluated (clients start from their downlink)
         if evaluate is not None:
             record.update(evaluate(round_id + 1))
         result.history.append(record)
@@ -57,5 +57,5 @@ def simulate(ctx: ClientContext, client_indices: Sequence[np.ndarray], server: S
             on_checkpoint(round_id + 1, server)
         if on_round is not None:
             on_round(record)
-    result.global_tensors = server.tensors
+    result.global_tensors = server.model_tensors()
     return result
