@@ -74,8 +74,8 @@ def run_round(server: ServerRole, round_id: int, deliver: Deliver, *, min_accept
             summed += 1
         else:
             server.receive(inbox, local, client_id, reply)
-    if summed and not any(u.client_id in {r.into for r in replies.values() if isinstance(r, Summed)}
-                          for u in inbox.accepted):  # the sum itself was refused: so were its parts
+    carriers = {r.into for r in replies.values() if isinstance(r, Summed)}
+    if summed and not any(u.client_id in carriers for u in inbox.accepted):  # the sum was refused: so were its parts
         inbox.rejected.extend((c, "the secure sum holding its scalars was refused") for c in sampled
                               if isinstance(replies.get(c), Summed))
         summed = 0

@@ -23,6 +23,7 @@ from zofed.flower.messages import (
     read_train,
     uplink_content,
 )
+from zofed.flower.secure import is_secure_train, read_secure_train, secure_reply
 
 
 @dataclass
@@ -66,8 +67,6 @@ def train_client(message: Message, context: Context, text: str | None = None) ->
     YAML (the simulation's); without it the config is the run config's `zofed-config` with its flat keys laid
     over it, as the ServerApp resolves it. Errors propagate: Flower turns them into an error reply that the
     server counts. A secure round's message (flower/secure.py) is answered in the layout SecAgg+ masks."""
-    from zofed.flower.secure import is_secure_train, read_secure_train, secure_reply
-
     secure = is_secure_train(message)
     if secure:
         downlink, client_id, round_id, scalar_range = read_secure_train(message)

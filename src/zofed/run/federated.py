@@ -240,10 +240,6 @@ def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Conso
         raise ConfigError(f"federated clients run {', '.join(FEDERATED_OPTIMIZERS)} locally (a fresh state each "
                           f"round, so the server replays their steps from seeds and scalars); "
                           f"optimizer.name={config.optimizer.name!r} is not supported here")
-    if fed.aggregator == "seed-median" and config.optimizer.name != "mezo":
-        raise ConfigError(f"federation.aggregator seed-median pools each client's steps per seed, which a stateful "
-                          f"local optimizer's update is not; optimizer.name={config.optimizer.name!r} needs mezo "
-                          f"(or use median)")
     fixed = method.server_default.name
     if method.first_order and fed.server_optimizer.name not in (None, fixed):  # the server half of the method
         raise ConfigError(f"{fed.method} uses the {fixed} server optimizer: set "

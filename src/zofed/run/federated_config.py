@@ -222,6 +222,14 @@ class FederatedConfig(FinetuneConfig):
     out_dir: str = "runs/federated"
 
     @model_validator(mode="after")
+    def _seed_median_needs_linear_steps(self) -> FederatedConfig:
+        if self.federation.aggregator == "seed-median" and self.optimizer.name != "mezo":
+            raise ValueError(f"federation.aggregator seed-median pools each client's steps per seed, which a "
+                             f"stateful local optimizer's update is not; optimizer.name={self.optimizer.name!r} "
+                             f"needs mezo (or use median)")
+        return self
+
+    @model_validator(mode="after")
     def _secure_aggregation_where_a_sum_suffices(self) -> FederatedConfig:
         if not self.flower.secure_aggregation:
             return self
