@@ -66,6 +66,10 @@ SETTINGS = {
     # whole backbone cached: a perturbed pass runs only the final projection, so 16 queries cost 1 pass a step
     "head-cached-q16": ["trainable.mode=none", "trainable.label_head=true", "zo.prefix_cache=true",
                         "zo.queries=16"],
+    # the same with each column's noise scaled by 1 / RMS of the hidden feature it reads (zo/feature_scale.py): the
+    # few massive channels no longer cap the lr the other 570-odd columns get
+    "head-cached-q16-features": ["trainable.mode=none", "trainable.label_head=true", "zo.prefix_cache=true",
+                                 "zo.queries=16", "zo.precondition=features"],
     # the label head and the top-4 gains, cached, 4 queries: 1.93 passes a step
     "head-top4-cached-q4": ["trainable.mode=patterns", "trainable.label_head=true",
                             "trainable.patterns=['layers\\.(26|27|28|29)\\..*norm\\.weight$', "
@@ -84,8 +88,8 @@ SETTINGS = {
                                "zo.prefix_cache=true", "zo.queries=4", "zo.estimator=forward"],
 }
 LRS = {"dense-gains": [3e-4], "top4-cached-q4": [3e-4, 1e-3], "top4-cached-q4-forward": [1e-3],
-       "top4-cached-q4-features": [1e-3, 3e-3],
-       "head-cached-q16": [1e-4, 3e-4], "head-top4-cached-q4": [1e-3], "head-top4-cached-q4-forward": [1e-3],
+       "top4-cached-q4-features": [1e-3, 3e-3], "head-cached-q16": [1e-4, 3e-4],
+       "head-cached-q16-features": [1e-3, 3e-3], "head-top4-cached-q4": [1e-3], "head-top4-cached-q4-forward": [1e-3],
        "top8-cached-q4-forward": [1e-3]}
 COMMON = ["model.name=smollm2-135m", "optimizer.name=mezo", "zo.eps=1e-3", "train.batch_size=8", "task.max_length=64",
           "train.eval_batch_size=32", f"data.eval_examples={VALIDATION}"]

@@ -3,7 +3,7 @@
 import torch
 from toy_federation import tiny_federated_config
 
-from zofed.models.selection import TrainableConfig, select_trainable
+from zofed.models.selection import LABEL_HEAD, TrainableConfig, select_trainable
 from zofed.models.tiny import tiny_causal_lm
 from zofed.run.federated import run_federated
 from zofed.zo.feature_scale import CLIP, combine, feature_noise_scales
@@ -51,6 +51,21 @@ def test_lora_factors_are_shaped_by_their_inputs_and_a_selection_mask_is_kept():
     assert all(int(w.count_nonzero()) == int(m.sum()) for w, m in zip(weights, mask, strict=True))
     assert torch.equal(weights[0], mask[0] * scales[0])
     assert combine(None, [None, None]) is None
+
+
+def test_a_label_head_is_shaped_by_the_last_hidden_state_it_reads():
+    model = tiny_causal_lm(num_layers=2).model
+    with torch.no_grad():
+        model.get_input_embeddings().weight[:, MASSIVE] *= 30
+    rows = model.get_output_embeddings().weight[:3].detach().clone()  # three label words' rows, as a task copies them
+    model.register_parameter(LABEL_HEAD, torch.nn.Parameter(rows, requires_grad=False))
+    model, trainable = select_trainable(model, TrainableConfig(mode="none", label_head=True))
+    (head,) = feature_noise_scales(model, trainable.names, trainable.params)
+    assert head.shape == (3 * 32,) and abs(float(head.pow(2).mean()) - 1) < 1e-5
+    columns = head.view(3, 32)
+    assert torch.equal(columns, columns[0].expand_as(columns))  # one scale per hidden feature, in every class's row
+    # the final norm keeps the massive channel massive, so the head's column reading it gets the smallest noise
+    assert int(columns[0].argmin()) == MASSIVE and float(columns[0, MASSIVE]) < 0.2 * float(columns[0].median())
 
 
 def test_shaped_noise_is_the_flat_noise_times_the_weights():

@@ -15,6 +15,8 @@ pays the passes (`SETUP_PASSES` of `SEQUENCES` x `LENGTH` tokens) once; a deploy
 
 Per trainable tensor: an RMSNorm-like gain (a module with `variance_epsilon`) or `nn.LayerNorm` weight uses its
 normalized input; an `nn.Linear` weight (a LoRA A or B, a full projection) its input features along its columns;
+a prompt classifier's label head (trainable.label_head) the last hidden state the output projection reads, where
+the massive channels make a linear head's loss steep along a few of its 576 columns and flat along the rest;
 anything else keeps flat noise. Within a tensor the shape is median-relative, clipped to [1/32, 4] (a dead
 channel is not given a huge step) and scaled to a mean square of 1, so eps and each tensor's noise energy keep
 their meaning.
@@ -26,6 +28,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+
+from zofed.models.selection import LABEL_HEAD
 
 SEQUENCES, LENGTH, BATCH = 64, 64, 8  # random sequences measured, their length, and how many a pass
 SETUP_PASSES = SEQUENCES // BATCH
@@ -63,7 +67,9 @@ def feature_noise_scales(model: torch.nn.Module, names: Sequence[str],
     for name in names:
         owner, _, leaf = name.rpartition(".")
         module = model.get_submodule(owner) if owner else model
-        if leaf != "weight" or not (isinstance(module, torch.nn.Linear) or _is_norm(module)):
+        if leaf == LABEL_HEAD:  # the label words' rows multiply what the output projection reads: the last hidden
+            module = module.get_output_embeddings()
+        elif leaf != "weight" or not (isinstance(module, torch.nn.Linear) or _is_norm(module)):
             continue
 
         def measure(mod, args, name=name):
