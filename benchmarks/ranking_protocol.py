@@ -31,6 +31,7 @@ ROWS: dict[str, tuple[str, bool]] = {
     "zofed": ("zofed", True),  # zofed's defaults (one-sided queries, as it has 4 a step) with the engine lever
     "zofed-central": ("zofed", True),  # central two-point queries (zofed's default until forward won)
     "zofed-q8": ("zofed", True),  # 8 one-sided queries a step: less noise per step, fewer steps for the budget
+    "zofed-q48": ("zofed", True),  # 48 a step: on the head a step still costs one pass, and 4 steps fit in 1 KB
     "zofed-uncached": ("zofed", False),  # the method alone, at the baselines' one query a step
     "zofed-shared": ("zofed", True),  # the round's clients share step seeds (ROW_OPTIONS): the server's cheap case
     "zofed-zo-adam": ("zofed", True),  # local ZO-Adam on the clients, replayed exactly by the server
@@ -59,7 +60,7 @@ METHOD_OPTIONS = {"fedkseed": ["federation.pool_size=64"], "fedavg": ["federatio
 TENSORWISE = "federation.server_optimizer.granularity=tensor"
 # The ablations were measured with central queries, zofed's estimator before forward won; they keep it.
 CENTRAL = "zo.estimator=central"
-ROW_OPTIONS = {"zofed-central": [CENTRAL], "zofed-q8": ["zo.queries=8"],
+ROW_OPTIONS = {"zofed-central": [CENTRAL], "zofed-q8": ["zo.queries=8"], "zofed-q48": ["zo.queries=48"],
                "zofed-cosine": ["federation.server_optimizer.decay=cosine"],
                "zofed-avg": ["federation.average_from=0.5"],
                "zofed-shared": [CENTRAL, "federation.sampling.shared_seeds=true"],
