@@ -44,6 +44,7 @@ ROWS: dict[str, tuple[str, bool]] = {
     "zofed-beta1-ramp": ("zofed", True),  # server beta1 rising from 0.5 to 0.9 over the run
     "zofed-features": ("zofed", True),  # noise scaled by 1 / RMS of each coordinate's input feature
     "zofed-shaped": ("zofed", True),  # zofed's defaults (one-sided queries) with that feature-shaped noise
+    "zofed-adjusted": ("zofed", True),  # zofed's defaults, each client's loss logit-adjusted by its own label prior
     "hiso": ("hiso", False),
     "fedkseed": ("fedkseed", False),
     "decomfl": ("decomfl", False),
@@ -70,7 +71,8 @@ ROW_OPTIONS = {"zofed-central": [CENTRAL], "zofed-q8": ["zo.queries=8"], "zofed-
                "zofed-beta1-0.5": [CENTRAL, "federation.server_optimizer.beta1=0.5"],
                "zofed-beta1-ramp": [CENTRAL, "federation.server_optimizer.beta1_start=0.5"],
                "zofed-features": [CENTRAL, "zo.precondition=features"],
-               "zofed-shaped": ["zo.precondition=features"]}
+               "zofed-shaped": ["zo.precondition=features"],
+               "zofed-adjusted": ["federation.logit_adjust=1.0"]}
 
 
 def row_overrides(row: str, trainable: str) -> tuple[list[str], float]:

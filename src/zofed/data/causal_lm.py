@@ -107,7 +107,9 @@ class CausalLM(Task):
             labels[k, data.prompt_lengths[i]: len(r)] = torch.tensor(r[data.prompt_lengths[i]:])
         return Batch(ids, mask, labels).to(self.device)
 
-    def loss_tensor(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    def loss_tensor(self, model: torch.nn.Module, batch: Batch, shift: torch.Tensor | None = None) -> torch.Tensor:
+        if shift is not None:
+            raise ValueError("a logit shift (federation.logit_adjust) needs a classification task, not causal-lm")
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch.labels[:, 1:].flatten(), ignore_index=-100)
 

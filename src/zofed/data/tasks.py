@@ -113,11 +113,31 @@ def check_fields(template: str, data: TextDataset, available: set[str]) -> None:
                         f"of {data.name} have the fields {sorted(available)} (data.text_columns picks them)")
 
 
+def label_shift(labels: np.ndarray, num_classes: int, strength: float) -> torch.Tensor:
+    """Logit adjustment against label skew: `strength` x the log of these labels' frequencies (add-one smoothed,
+    so a class the client lacks gets a large finite offset, not minus infinity).
+
+    Added to the logits of a client's training loss, it lets the offsets explain the client's own class prior,
+    so its local steps stop pushing the shared classifier towards the classes it happens to hold; evaluation and
+    the shared model never see it."""
+    labels = np.asarray(labels, dtype=np.int64)
+    if labels.size and not 0 <= int(labels.min()) <= int(labels.max()) < num_classes:
+        raise ValueError(f"labels span classes {int(labels.min())}..{int(labels.max())}, but the task has "
+                         f"{num_classes} classes")
+    counts = np.bincount(labels, minlength=num_classes)
+    return torch.from_numpy(strength * np.log((counts + 1.0) / (counts.sum() + num_classes))).float()
+
+
+def shifted(logits: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:
+    return logits if shift is None else logits + shift.to(logits)
+
+
 class Task:
     """Common batching and evaluation; subclasses define encoding and the per-batch logits/loss."""
 
     # A classification template that reads no field gives every example the same input: nothing to learn.
     template_needs_a_field = True
+    num_classes: int | None = None  # classification tasks: the width of the logits
     device = torch.device("cpu")  # where batches are made: the model's device (run/setup.py sets it)
 
     def __init__(self, tokenizer, config: TaskConfig) -> None:
@@ -164,16 +184,18 @@ class Task:
     def logits(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         raise NotImplementedError
 
-    def cached_loss(self, model: torch.nn.Module, cache: PrefixCache, batch: Batch) -> Callable[[], float]:
+    def cached_loss(self, model: torch.nn.Module, cache: PrefixCache, batch: Batch,
+                    shift: torch.Tensor | None = None) -> Callable[[], float]:
         raise ValueError(f"zo.prefix_cache works with prompt-classification tasks, not {self.config.type}")
 
-    def loss_tensor(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-        """The mean loss as a tensor (differentiable when autograd is on: first-order baselines use it)."""
-        return F.cross_entropy(self.logits(model, batch), batch.labels)
+    def loss_tensor(self, model: torch.nn.Module, batch: Batch, shift: torch.Tensor | None = None) -> torch.Tensor:
+        """The mean loss as a tensor (differentiable when autograd is on: first-order baselines use it); `shift`
+        (one value per class, `label_shift`) is added to the logits of the training loss only."""
+        return F.cross_entropy(shifted(self.logits(model, batch), shift), batch.labels)
 
     @torch.no_grad()
-    def loss(self, model: torch.nn.Module, batch: Batch) -> float:
-        return float(self.loss_tensor(model, batch))
+    def loss(self, model: torch.nn.Module, batch: Batch, shift: torch.Tensor | None = None) -> float:
+        return float(self.loss_tensor(model, batch, shift))
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, data: Encoded, batch_size: int = 32,
@@ -208,6 +230,7 @@ class PromptClassification(Task):
         if empty:
             raise DataError(f"task.verbalizer words {empty} encode to no token; pick real words")
         self.label_token_ids = torch.tensor([i[0] for i in ids])
+        self.num_classes = num_classes
         if len(set(self.label_token_ids.tolist())) != num_classes:
             raise DataError(f"task.verbalizer words {config.verbalizer} share their first token, so the model could "
                             "not tell their classes apart; pick words that start differently")
@@ -227,14 +250,15 @@ class PromptClassification(Task):
         hidden = backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
         return self.logits_from_hidden(model, hidden, batch)
 
-    def cached_loss(self, model: torch.nn.Module, cache: PrefixCache, batch: Batch) -> Callable[[], float]:
+    def cached_loss(self, model: torch.nn.Module, cache: PrefixCache, batch: Batch,
+                    shift: torch.Tensor | None = None) -> Callable[[], float]:
         """The batch's loss as a function of the trainable top blocks only: the frozen bottom runs once, here."""
         prefix = cache.capture(batch.input_ids, batch.attention_mask)
 
         @torch.no_grad()
         def loss() -> float:
             logits = self.logits_from_hidden(model, cache.hidden(prefix), batch)
-            return float(F.cross_entropy(logits, batch.labels))
+            return float(F.cross_entropy(shifted(logits, shift), batch.labels))
 
         return loss
 
@@ -264,7 +288,9 @@ def make_task(config: TaskConfig, tokenizer, num_classes: int | None) -> Task:
                             "label column); instruction data takes task.type causal-lm")
         return PromptClassification(tokenizer, config, num_classes)
     if config.type == "encoder-classification":
-        return EncoderClassification(tokenizer, config)
+        task = EncoderClassification(tokenizer, config)
+        task.num_classes = num_classes
+        return task
     if config.type == "causal-lm":
         from zofed.data.causal_lm import CausalLM  # it builds on Task, defined here
 

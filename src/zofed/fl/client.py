@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from zofed import streams
-from zofed.data.tasks import Encoded, Task
+from zofed.data.tasks import Encoded, Task, label_shift
 from zofed.fl.plan import LocalTraining
 from zofed.fl.protocol import ClientUpdate
 from zofed.models.selection import TrainableParams
@@ -57,6 +57,15 @@ def dense_update(round_id: int, client_id: int, queries: int, num_examples: int,
                         num_examples, metrics, dense.astype(np.float32))
 
 
+def client_shift(ctx: ClientContext, local: LocalTraining, indices: np.ndarray) -> torch.Tensor | None:
+    """The logit shift of this client's training loss (federation.logit_adjust), or None when off."""
+    if local.logit_adjust == 0:
+        return None
+    if not ctx.task.num_classes:
+        raise ValueError("federation.logit_adjust needs a classification task with labels")
+    return label_shift(ctx.train.labels[indices], ctx.task.num_classes, local.logit_adjust)
+
+
 def client_cache(ctx: ClientContext, local: LocalTraining) -> PrefixCache | None:
     """The prefix cache the round plan asks for (pass_fraction below 1), split where this client's model's first
     trainable block is; a model that splits elsewhere than the plan says is refused (its compute would be
@@ -85,11 +94,12 @@ def run_zo_client(ctx: ClientContext, start: Sequence[torch.Tensor], client_id: 
     optimizer = local.local_optimizer()
     state = optimizer.init(clean)
     cache = client_cache(ctx, local)
+    shift = client_shift(ctx, local, indices)
     grads, losses = [], []
     for t, (seed, pert) in enumerate(zip(seeds.seeds, perturbations, strict=True)):
         batch = local_batch(ctx, local, client_id, indices, t)
-        loss = (ctx.task.cached_loss(ctx.model, cache, batch) if cache is not None
-                else lambda b=batch: ctx.task.loss(ctx.model, b))
+        loss = (ctx.task.cached_loss(ctx.model, cache, batch, shift) if cache is not None
+                else lambda b=batch: ctx.task.loss(ctx.model, b, shift))
         state, record = zo_step(tensors, loss, optimizer, state, seed=seed, eps=local.eps, lr=local.lr,
                                 queries=local.queries, perturbation=pert, clean=clean, estimator=local.estimator)
         grads.append(record.grads)

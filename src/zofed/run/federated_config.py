@@ -83,6 +83,10 @@ class FederationSection(_Section):
     pool_size: int = Field(64, ge=1)  # fedkseed's shared seed pool
     first_order_optimizer: Literal["adamw", "sgd"] = "adamw"  # fedavg, fedadam: clients back-propagate
     first_order_lr: float = Field(1e-3, gt=0)
+    # Logit adjustment against label skew (data/tasks.py, label_shift): each client's training loss adds this x
+    # the log of its own label frequencies to the logits, so its local steps fit its class prior into those
+    # offsets rather than into the shared classifier. Classification tasks only; 0: off.
+    logit_adjust: float = Field(0.0, ge=0)
     # how the clients' updates combine (fl/aggregate.py): mean, trimmed-mean, median, seed-median (shared seeds)
     aggregator: str = "mean"
     trim: float = Field(0.1, ge=0, lt=0.5)  # trimmed-mean: the share of clients dropped at each end, per coordinate
@@ -253,6 +257,13 @@ class FederatedConfig(FinetuneConfig):
             problems.append("a sum of one client is that client's numbers: set federation.clients_per_round >= 2")
         if problems:
             raise ValueError("flower.secure_aggregation: " + "; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _logit_adjust_needs_classes(self) -> FederatedConfig:
+        if self.federation.logit_adjust and self.task.type == "causal-lm":
+            raise ValueError(f"federation.logit_adjust={self.federation.logit_adjust} shifts class logits; "
+                             "task.type causal-lm has no classes (set it to 0)")
         return self
 
     @model_validator(mode="after")

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from zofed.fl.client import ClientContext, dense_update, load_tensors_, local_batch
+from zofed.fl.client import ClientContext, client_shift, dense_update, load_tensors_, local_batch
 from zofed.fl.methods.base import Method, ServerDefault
 from zofed.fl.plan import LocalTraining
 from zofed.fl.protocol import ClientUpdate
@@ -35,6 +35,7 @@ def run_first_order_client(ctx: ClientContext, start: Sequence[torch.Tensor], cl
         optimizer = torch.optim.SGD(params, lr=local.lr)
     else:
         raise ValueError(f"unknown first-order local optimizer {local_optimizer!r}; choose adamw or sgd")
+    shift = client_shift(ctx, local, indices)
     losses = []
     for p in params:
         p.requires_grad_(True)
@@ -42,7 +43,7 @@ def run_first_order_client(ctx: ClientContext, start: Sequence[torch.Tensor], cl
         for t in range(local.local_steps):
             batch = local_batch(ctx, local, client_id, indices, t)
             optimizer.zero_grad(set_to_none=True)
-            loss = ctx.task.loss_tensor(ctx.model, batch)
+            loss = ctx.task.loss_tensor(ctx.model, batch, shift)
             loss.backward()
             optimizer.step()
             losses.append(float(loss.detach()))
