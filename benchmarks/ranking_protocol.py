@@ -51,6 +51,7 @@ ROWS: dict[str, tuple[str, bool]] = {
     "zo-seeds": ("zo-seeds", False),
     "fedmezo": ("fedmezo", False),
     "hiso-cached": ("hiso", True),
+    "hiso-adjusted": ("hiso", False),  # HiSo with zofed's client lever against label skew (logit adjustment)
     "fedkseed-cached": ("fedkseed", True),
     "decomfl-cached": ("decomfl", True),
     "fedavg-lora": ("fedavg", False),  # first-order: LoRA, its own trainable set (the accuracy ceiling)
@@ -72,7 +73,7 @@ ROW_OPTIONS = {"zofed-central": [CENTRAL], "zofed-q8": ["zo.queries=8"], "zofed-
                "zofed-beta1-ramp": [CENTRAL, "federation.server_optimizer.beta1_start=0.5"],
                "zofed-features": [CENTRAL, "zo.precondition=features"],
                "zofed-shaped": ["zo.precondition=features"],
-               "zofed-adjusted": ["federation.logit_adjust=1.0"]}
+               "zofed-adjusted": ["federation.logit_adjust=1.0"], "hiso-adjusted": ["federation.logit_adjust=1.0"]}
 
 
 def row_overrides(row: str, trainable: str) -> tuple[list[str], float]:
