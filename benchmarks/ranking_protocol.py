@@ -45,6 +45,7 @@ ROWS: dict[str, tuple[str, bool]] = {
     "zofed-features": ("zofed", True),  # noise scaled by 1 / RMS of each coordinate's input feature
     "zofed-shaped": ("zofed", True),  # zofed's defaults (one-sided queries) with that feature-shaped noise
     "zofed-adjusted": ("zofed", True),  # zofed's defaults, each client's loss logit-adjusted by its own label prior
+    "zofed-q48-adjusted": ("zofed", True),  # both head levers: 48 queries a step and the logit adjustment
     "hiso": ("hiso", False),
     "fedkseed": ("fedkseed", False),
     "decomfl": ("decomfl", False),
@@ -73,7 +74,8 @@ ROW_OPTIONS = {"zofed-central": [CENTRAL], "zofed-q8": ["zo.queries=8"], "zofed-
                "zofed-beta1-ramp": [CENTRAL, "federation.server_optimizer.beta1_start=0.5"],
                "zofed-features": [CENTRAL, "zo.precondition=features"],
                "zofed-shaped": ["zo.precondition=features"],
-               "zofed-adjusted": ["federation.logit_adjust=1.0"], "hiso-adjusted": ["federation.logit_adjust=1.0"]}
+               "zofed-adjusted": ["federation.logit_adjust=1.0"], "hiso-adjusted": ["federation.logit_adjust=1.0"],
+               "zofed-q48-adjusted": ["zo.queries=48", "federation.logit_adjust=1.0"]}
 
 
 def row_overrides(row: str, trainable: str) -> tuple[list[str], float]:
