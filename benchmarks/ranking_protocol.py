@@ -46,6 +46,9 @@ ROWS: dict[str, tuple[str, bool]] = {
     "zofed-shaped": ("zofed", True),  # zofed's defaults (one-sided queries) with that feature-shaped noise
     "zofed-adjusted": ("zofed", True),  # zofed's defaults, each client's loss logit-adjusted by its own label prior
     "zofed-q48-adjusted": ("zofed", True),  # both head levers: 48 queries a step and the logit adjustment
+    # the label head on cached features: 16 examples through the model a client round (2 passes), then 24 steps of 8
+    # queries on them (192 scalars, under 1 KB), logit-adjusted; twice the rounds of zofed-q48 and 6x the steps
+    "zofed-features-cached": ("zofed", True),
     "hiso": ("hiso", False),
     "fedkseed": ("fedkseed", False),
     "decomfl": ("decomfl", False),
@@ -53,6 +56,7 @@ ROWS: dict[str, tuple[str, bool]] = {
     "fedmezo": ("fedmezo", False),
     "hiso-cached": ("hiso", True),
     "hiso-adjusted": ("hiso", False),  # HiSo with zofed's client lever against label skew (logit adjustment)
+    "hiso-features-cached": ("hiso", True),  # HiSo with every engine lever of zofed-features-cached
     "fedkseed-cached": ("fedkseed", True),
     "decomfl-cached": ("decomfl", True),
     "fedavg-lora": ("fedavg", False),  # first-order: LoRA, its own trainable set (the accuracy ceiling)
@@ -63,6 +67,8 @@ METHOD_OPTIONS = {"fedkseed": ["federation.pool_size=64"], "fedavg": ["federatio
 TENSORWISE = "federation.server_optimizer.granularity=tensor"
 # The ablations were measured with central queries, zofed's estimator before forward won; they keep it.
 CENTRAL = "zo.estimator=central"
+FEATURES_CACHED = ["federation.feature_cache=16", "federation.local_steps=24", "zo.queries=8",
+                   "federation.logit_adjust=1.0"]
 ROW_OPTIONS = {"zofed-central": [CENTRAL], "zofed-q8": ["zo.queries=8"], "zofed-q48": ["zo.queries=48"],
                "zofed-cosine": ["federation.server_optimizer.decay=cosine"],
                "zofed-avg": ["federation.average_from=0.5"],
@@ -75,7 +81,8 @@ ROW_OPTIONS = {"zofed-central": [CENTRAL], "zofed-q8": ["zo.queries=8"], "zofed-
                "zofed-features": [CENTRAL, "zo.precondition=features"],
                "zofed-shaped": ["zo.precondition=features"],
                "zofed-adjusted": ["federation.logit_adjust=1.0"], "hiso-adjusted": ["federation.logit_adjust=1.0"],
-               "zofed-q48-adjusted": ["zo.queries=48", "federation.logit_adjust=1.0"]}
+               "zofed-q48-adjusted": ["zo.queries=48", "federation.logit_adjust=1.0"],
+               "zofed-features-cached": FEATURES_CACHED, "hiso-features-cached": FEATURES_CACHED}
 
 
 def row_overrides(row: str, trainable: str) -> tuple[list[str], float]:

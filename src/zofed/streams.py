@@ -10,6 +10,7 @@ here, with a tag no other stream can take:
 | client sampling         | [run seed, round, CLIENT_SAMPLING]              | the clients of a round                |
 | local batch             | [run seed, round, client, step]                 | a client's batch at a local step      |
 | FedKSeed picks          | [run seed, KSEED_PICKS, round, client]          | which pool seeds a client's steps use |
+| round features          | [run seed, ROUND_FEATURES, round, client]       | the examples a client caches a round  |
 | centralized batch       | [run seed, step]                                | centralized fine-tuning's batch       |
 | step seeds (derive_seed)| (run seed, round, owner) then (base, step)      | perturbation seeds (zo/noise.py)      |
 | centralized step seed   | derive_seed(run seed, step)                     | centralized fine-tuning's perturbation|
@@ -45,6 +46,7 @@ ATTACKERS = 2**32 + 17  # second entry of the attackers' stream
 ATTACK_NOISE = 2**32 + 19  # second entry of a random-scalars attacker's stream
 PROBE_SET = 2**32 + 23  # second entry of the screening probe set's stream
 DP_NOISE = 2**32 + 29  # second entry of the differential-privacy noise's stream
+ROUND_FEATURES = 2**32 + 31  # second entry of the stream of the examples a client caches features of in a round
 
 
 def client_sampling(run_seed: int, round_id: int) -> np.random.Generator:
@@ -57,6 +59,10 @@ def local_batch(run_seed: int, round_id: int, client_id: int, step: int) -> np.r
 
 def kseed_picks(run_seed: int, round_id: int, client_id: int) -> np.random.Generator:
     return np.random.default_rng([run_seed, KSEED_PICKS, round_id, client_id])
+
+
+def round_features(run_seed: int, round_id: int, client_id: int) -> np.random.Generator:
+    return np.random.default_rng([run_seed, ROUND_FEATURES, round_id, client_id])
 
 
 def centralized_batch(seed: int, step: int) -> np.random.Generator:

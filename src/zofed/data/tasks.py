@@ -262,11 +262,38 @@ class PromptClassification(Task):
 
         return loss
 
+    @torch.no_grad()
+    def last_features(self, cache: PrefixCache, data: Encoded, indices: np.ndarray, batch_size: int) -> torch.Tensor:
+        """What the final norm receives at each example's last position (examples x hidden), for a model whose
+        blocks are all frozen (`cache` splits at the final norm): the only input the label logits read, so a client
+        computes it once and takes as many steps on it as it likes (federation.feature_cache)."""
+        if cache.start != len(cache.layers):
+            raise ValueError(f"cached features need every block frozen; the trainable tensors start at block "
+                             f"{cache.start} of {len(cache.layers)}")
+        rows = []
+        for start in range(0, len(indices), batch_size):
+            batch = self.collate(data, indices[start:start + batch_size])
+            prefix = cache.capture(batch.input_ids, batch.attention_mask)
+            hidden = prefix.args[0] if prefix.args else prefix.kwargs["hidden_states"]
+            last = batch.attention_mask.sum(1) - 1
+            rows.append(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
+        return torch.cat(rows)
+
+    @torch.no_grad()
+    def feature_loss(self, model: torch.nn.Module, cache: PrefixCache, features: torch.Tensor, labels: torch.Tensor,
+                     shift: torch.Tensor | None = None) -> float:
+        """The mean loss of examples given by their `last_features`: the final norm and the head, nothing more."""
+        logits = self.head_logits(model, cache.backbone.norm(features))
+        return float(F.cross_entropy(shifted(logits, shift), labels))
+
     def logits_from_hidden(self, model: torch.nn.Module, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
         """Label-word logits at each row's last position, from the backbone's last hidden state."""
-        lm = unwrap(model)
         last = batch.attention_mask.sum(1) - 1
-        h = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+        return self.head_logits(model, hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
+
+    def head_logits(self, model: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """Label-word logits of last-position hidden states (rows x hidden, after the final norm)."""
+        lm = unwrap(model)
         head = lm.get_output_embeddings()
         rows = getattr(lm, LABEL_HEAD, None)
         ids = self.label_token_ids.to(h.device)

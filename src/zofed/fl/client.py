@@ -80,6 +80,37 @@ def client_cache(ctx: ClientContext, local: LocalTraining) -> PrefixCache | None
     return cache
 
 
+@dataclass
+class RoundFeatures:
+    """The examples a client ran through its frozen model this round (federation.feature_cache): their last
+    hidden states and labels, which every local step draws its batch from."""
+
+    features: torch.Tensor
+    labels: torch.Tensor
+
+    def step_loss(self, ctx: ClientContext, local: LocalTraining, client_id: int, step: int, cache: PrefixCache,
+                  shift: torch.Tensor | None):
+        """The loss of local step `step`'s batch (the batch's own stream, over the cached examples)."""
+        rng = streams.local_batch(local.run_seed, local.round_id, client_id, step)
+        rows = torch.as_tensor(rng.choice(len(self.labels), size=min(local.batch_size, len(self.labels)),
+                                          replace=False), device=self.labels.device)
+        features, labels = self.features[rows], self.labels[rows]
+        return lambda: ctx.task.feature_loss(ctx.model, cache, features, labels, shift)
+
+
+def round_features(ctx: ClientContext, local: LocalTraining, client_id: int, indices: np.ndarray,
+                   cache: PrefixCache | None) -> RoundFeatures:
+    """Run `local.feature_cache` of the client's examples (a draw of its own stream; all when it has fewer)
+    through the frozen model once."""
+    if cache is None or not hasattr(ctx.task, "last_features"):
+        raise ValueError("federation.feature_cache needs a prompt-classification task with every block frozen and "
+                         "the prefix cached")
+    rng = streams.round_features(local.run_seed, local.round_id, client_id)
+    chosen = np.sort(rng.choice(indices, size=min(local.feature_cache, len(indices)), replace=False))
+    features = ctx.task.last_features(cache, ctx.train, chosen, local.batch_size)
+    return RoundFeatures(features, torch.as_tensor(ctx.train.labels[chosen], device=features.device))
+
+
 def run_zo_client(ctx: ClientContext, start: Sequence[torch.Tensor], client_id: int, indices: np.ndarray,
                   local: LocalTraining, seeds: StepSeeds, perturbations: Sequence[Perturbation], *,
                   dense: bool = False) -> tuple[ClientUpdate, list[torch.Tensor]]:
@@ -95,11 +126,15 @@ def run_zo_client(ctx: ClientContext, start: Sequence[torch.Tensor], client_id: 
     state = optimizer.init(clean)
     cache = client_cache(ctx, local)
     shift = client_shift(ctx, local, indices)
+    features = round_features(ctx, local, client_id, indices, cache) if local.feature_cache else None
     grads, losses = [], []
     for t, (seed, pert) in enumerate(zip(seeds.seeds, perturbations, strict=True)):
-        batch = local_batch(ctx, local, client_id, indices, t)
-        loss = (ctx.task.cached_loss(ctx.model, cache, batch, shift) if cache is not None
-                else lambda b=batch: ctx.task.loss(ctx.model, b, shift))
+        if features is not None:
+            loss = features.step_loss(ctx, local, client_id, t, cache, shift)
+        else:
+            batch = local_batch(ctx, local, client_id, indices, t)
+            loss = (ctx.task.cached_loss(ctx.model, cache, batch, shift) if cache is not None
+                    else lambda b=batch: ctx.task.loss(ctx.model, b, shift))
         state, record = zo_step(tensors, loss, optimizer, state, seed=seed, eps=local.eps, lr=local.lr,
                                 queries=local.queries, perturbation=pert, clean=clean, estimator=local.estimator)
         grads.append(record.grads)

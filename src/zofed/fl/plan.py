@@ -45,6 +45,7 @@ class LocalTraining:
     beta1: float = 0.9  # zo-adam
     beta2: float = 0.999
     logit_adjust: float = 0.0  # the clients' training loss adds this x log of their own label frequencies
+    feature_cache: int = 0  # examples a client runs through the frozen model once a round, then steps on (0: off)
 
     def local_optimizer(self) -> MeZO | ZOSGDMomentum | ZOAdam:
         """The clients' local optimizer, which the server replays to rebuild a client's steps."""
@@ -98,6 +99,7 @@ class FederationPlan:
     beta1: float = 0.9
     beta2: float = 0.999
     logit_adjust: float = 0.0
+    feature_cache: int = 0
 
     @classmethod
     def from_config(cls, config: FederatedConfig, num_clients: int, pass_fraction: float = 1.0) -> FederationPlan:
@@ -118,7 +120,8 @@ class FederationPlan:
             "pass_fraction": 1.0 if method.first_order else pass_fraction,
             "estimator": config.zo.resolved_estimator(fed.method),
             "optimizer": "mezo" if method.first_order else config.optimizer.name, "momentum": config.optimizer.momentum,
-            "beta1": config.optimizer.beta1, "beta2": config.optimizer.beta2, "logit_adjust": fed.logit_adjust}
+            "beta1": config.optimizer.beta1, "beta2": config.optimizer.beta2, "logit_adjust": fed.logit_adjust,
+            "feature_cache": fed.feature_cache}
         return cls(**settings)
 
     def round(self, round_id: int) -> LocalTraining:

@@ -215,6 +215,13 @@ def make_server(config: FederatedConfig, trainable: TrainableParams, num_clients
     """The server role of a run, from its config and its starting trainable tensors (and the run's screen, which
     needs the model and probe data: a replay leaves it out, as its log holds only the updates that passed)."""
     fed = config.federation
+    if fed.feature_cache and get_method(fed.method).first_order:
+        raise ConfigError(f"federation.feature_cache steps a ZO client on cached features; {fed.method} "
+                          "back-propagates through the model (set it to 0)")
+    if fed.feature_cache and pass_fraction != 0:
+        raise ConfigError(f"federation.feature_cache needs every block of the model frozen (the label head alone: "
+                          f"trainable.mode=none trainable.label_head=true); this run's trainable tensors make a "
+                          f"perturbed pass run {pass_fraction:.3f} of the blocks")
     plan = FederationPlan.from_config(config, num_clients, pass_fraction)
     try:
         return ServerRole(plan, trainable.tensors(), trainable.masks,

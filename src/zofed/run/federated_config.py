@@ -87,6 +87,11 @@ class FederationSection(_Section):
     # the log of its own label frequencies to the logits, so its local steps fit its class prior into those
     # offsets rather than into the shared classifier. Classification tasks only; 0: off.
     logit_adjust: float = Field(0.0, ge=0)
+    # Cached features (prompt classification with every block frozen, e.g. the label head alone, and
+    # zo.prefix_cache): a client runs this many of its examples through the frozen model once a round (all of them
+    # when it has fewer, charged as this many) and takes its local steps on their last hidden states, so a step
+    # costs the head alone and a round can hold many. 0: off, every step runs its own batch through the model.
+    feature_cache: int = Field(0, ge=0)
     # how the clients' updates combine (fl/aggregate.py): mean, trimmed-mean, median, seed-median (shared seeds)
     aggregator: str = "mean"
     trim: float = Field(0.1, ge=0, lt=0.5)  # trimmed-mean: the share of clients dropped at each end, per coordinate
@@ -264,6 +269,19 @@ class FederatedConfig(FinetuneConfig):
         if self.federation.logit_adjust and self.task.type == "causal-lm":
             raise ValueError(f"federation.logit_adjust={self.federation.logit_adjust} shifts class logits; "
                              "task.type causal-lm has no classes (set it to 0)")
+        return self
+
+    @model_validator(mode="after")
+    def _feature_cache_needs_a_frozen_model(self) -> FederatedConfig:
+        fed = self.federation
+        if not fed.feature_cache:
+            return self
+        if self.task.type != "prompt-classification":
+            raise ValueError(f"federation.feature_cache={fed.feature_cache} caches what a prompt classifier's head "
+                             f"reads; task.type {self.task.type} has no such head (set it to 0)")
+        if not self.zo.prefix_cache:
+            raise ValueError("federation.feature_cache needs zo.prefix_cache=true (the features are the cached "
+                             "prefix of a model whose blocks are all frozen)")
         return self
 
     @model_validator(mode="after")

@@ -98,8 +98,14 @@ class Method:
 
     def forward_passes(self, local: LocalTraining) -> float:
         """One client's compute in a round, in forward passes of the full model: two per query and step, or
-        with a cached prefix its frozen bottom once and two passes over the top per query (zo/prefix.py)."""
-        return local.local_steps * forward_equivalents(local.pass_fraction, local.queries, local.estimator)
+        with a cached prefix its frozen bottom once and two passes over the top per query (zo/prefix.py). With
+        cached features (every block frozen) the model runs once over the round's `feature_cache` examples, a pass
+        for each batch's worth, and the steps after it run the final norm and the head alone, counted as nothing
+        as a cached pass counts no embedding or head."""
+        step = forward_equivalents(local.pass_fraction, local.queries, local.estimator)
+        if local.feature_cache:
+            return local.feature_cache / local.batch_size + local.local_steps * (step - (1.0 - local.pass_fraction))
+        return local.local_steps * step
 
     def shares_seeds(self, shared_seeds_setting: bool) -> bool:
         """Whether a round's clients step on the same seeds (what the `seed-median` aggregator needs); zofed's
