@@ -219,6 +219,12 @@ class Task:
         return self.evaluate(model, data, batch_size, indices)
 
 
+def last_position(hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Each row's hidden state at its last real token (right padding): rows x hidden."""
+    last = batch.attention_mask.sum(1) - 1
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+
+
 class PromptClassification(Task):
     def __init__(self, tokenizer, config: TaskConfig, num_classes: int) -> None:
         super().__init__(tokenizer, config)
@@ -275,8 +281,7 @@ class PromptClassification(Task):
             batch = self.collate(data, indices[start:start + batch_size])
             prefix = cache.capture(batch.input_ids, batch.attention_mask)
             hidden = prefix.args[0] if prefix.args else prefix.kwargs["hidden_states"]
-            last = batch.attention_mask.sum(1) - 1
-            rows.append(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
+            rows.append(last_position(hidden, batch))
         return torch.cat(rows)
 
     @torch.no_grad()
@@ -288,8 +293,7 @@ class PromptClassification(Task):
 
     def logits_from_hidden(self, model: torch.nn.Module, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
         """Label-word logits at each row's last position, from the backbone's last hidden state."""
-        last = batch.attention_mask.sum(1) - 1
-        return self.head_logits(model, hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
+        return self.head_logits(model, last_position(hidden, batch))
 
     def head_logits(self, model: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
         """Label-word logits of last-position hidden states (rows x hidden, after the final norm)."""

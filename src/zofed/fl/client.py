@@ -43,10 +43,15 @@ def load_tensors_(tensors: Sequence[torch.Tensor], values: Sequence[torch.Tensor
             t.copy_(v)
 
 
-def local_batch(ctx: ClientContext, local: LocalTraining, client_id: int, indices: np.ndarray, step: int):
-    """The client's batch at a local step (its own stream, see streams.py)."""
+def batch_rows(local: LocalTraining, client_id: int, rows: np.ndarray, step: int) -> np.ndarray:
+    """Which of `rows` the client's batch at a local step holds (its own stream, see streams.py)."""
     rng = streams.local_batch(local.run_seed, local.round_id, client_id, step)
-    return ctx.task.collate(ctx.train, rng.choice(indices, size=min(local.batch_size, len(indices)), replace=False))
+    return rng.choice(rows, size=min(local.batch_size, len(rows)), replace=False)
+
+
+def local_batch(ctx: ClientContext, local: LocalTraining, client_id: int, indices: np.ndarray, step: int):
+    """The client's batch at a local step, drawn from its examples `indices`."""
+    return ctx.task.collate(ctx.train, batch_rows(local, client_id, indices, step))
 
 
 def dense_update(round_id: int, client_id: int, queries: int, num_examples: int, metrics: dict[str, float],
@@ -90,10 +95,9 @@ class RoundFeatures:
 
     def step_loss(self, ctx: ClientContext, local: LocalTraining, client_id: int, step: int, cache: PrefixCache,
                   shift: torch.Tensor | None):
-        """The loss of local step `step`'s batch (the batch's own stream, over the cached examples)."""
-        rng = streams.local_batch(local.run_seed, local.round_id, client_id, step)
-        rows = torch.as_tensor(rng.choice(len(self.labels), size=min(local.batch_size, len(self.labels)),
-                                          replace=False), device=self.labels.device)
+        """The loss of local step `step`'s batch, drawn from the cached examples as `local_batch` draws."""
+        rows = torch.as_tensor(batch_rows(local, client_id, np.arange(len(self.labels)), step),
+                               device=self.labels.device)
         features, labels = self.features[rows], self.labels[rows]
         return lambda: ctx.task.feature_loss(ctx.model, cache, features, labels, shift)
 
