@@ -72,3 +72,35 @@ def test_cached_features_are_refused_where_they_cannot_be_the_model_s_input(tiny
                                    "federation.feature_cache=8")
     with pytest.raises(ConfigError, match="fedavg back-propagates"):
         run_federated(config, show_progress=False)
+
+
+def test_evaluating_a_frozen_body_runs_each_example_through_it_once_per_run():
+    ctx, model, trainable = _head_context()
+    cache = PrefixCache(model, first_trainable_layer(model, trainable.names))
+    seen = []  # examples that went through the blocks
+    cache.backbone.register_forward_pre_hook(lambda m, args, kwargs: seen.append(len(kwargs["input_ids"])),
+                                             with_kwargs=True)
+    rows, more = np.arange(0, 24), np.arange(16, 40)
+    full = ctx.task.evaluate(model, ctx.train, 8, rows)
+    assert sum(seen) == 24
+    ctx.task.evaluate_from_features(cache)
+    remembered = ctx.task.evaluate(model, ctx.train, 8, rows)
+    assert remembered["accuracy"] == full["accuracy"]
+    assert remembered["loss"] == pytest.approx(full["loss"], abs=1e-5)
+    assert sum(seen) == 48
+    ctx.task.evaluate(model, ctx.train, 8, more)  # only the 16 examples not seen before run the blocks
+    assert sum(seen) == 64
+    with torch.no_grad():  # a new head is read from the remembered features at once
+        trainable.tensors()[0].mul_(-1)
+    moved = ctx.task.evaluate(model, ctx.train, 8, rows)
+    assert sum(seen) == 64
+    ctx.task.evaluate_from_features(None)
+    fresh = ctx.task.evaluate(model, ctx.train, 8, rows)
+    assert abs(fresh["loss"] - full["loss"]) > 1e-3
+    assert moved["accuracy"] == fresh["accuracy"]
+    assert moved["loss"] == pytest.approx(fresh["loss"], abs=1e-5)
+    assert sum(seen) == 88
+    ctx.task.evaluate_from_features(PrefixCache(model, 1))  # blocks above the cut may train: no memory
+    ctx.task.evaluate(model, ctx.train, 8, rows)
+    ctx.task.evaluate(model, ctx.train, 8, rows)
+    assert sum(seen) == 88 + 2 * 24

@@ -201,9 +201,7 @@ class Task:
     def evaluate(self, model: torch.nn.Module, data: Encoded, batch_size: int = 32,
                  indices=None) -> dict[str, float]:
         """Accuracy and mean loss over `indices` (all examples by default)."""
-        order = np.arange(len(data)) if indices is None else np.asarray(indices)
-        # Batches of similar lengths waste less compute on padding; the totals do not depend on the order.
-        order = order[np.argsort([len(data.input_ids[i]) for i in order], kind="stable")]
+        order = by_length(data, indices)
         correct, loss_sum = 0, 0.0
         for start in range(0, len(order), batch_size):
             batch = self.collate(data, order[start:start + batch_size])
@@ -217,6 +215,13 @@ class Task:
                                  indices) -> dict[str, float]:
         """A learning-curve point on the watched examples `indices`: the same measures as the final test."""
         return self.evaluate(model, data, batch_size, indices)
+
+
+def by_length(data: Encoded, indices=None) -> np.ndarray:
+    """`indices` (all examples by default) ordered by length: batches of similar lengths waste less compute on
+    padding, and an evaluation's totals do not depend on the order."""
+    order = np.arange(len(data)) if indices is None else np.asarray(indices)
+    return order[np.argsort([len(data.input_ids[i]) for i in order], kind="stable")]
 
 
 def last_position(hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -237,9 +242,46 @@ class PromptClassification(Task):
             raise DataError(f"task.verbalizer words {empty} encode to no token; pick real words")
         self.label_token_ids = torch.tensor([i[0] for i in ids])
         self.num_classes = num_classes
+        self.evaluate_from_features(None)
         if len(set(self.label_token_ids.tolist())) != num_classes:
             raise DataError(f"task.verbalizer words {config.verbalizer} share their first token, so the model could "
                             "not tell their classes apart; pick words that start differently")
+
+    def evaluate_from_features(self, cache: PrefixCache | None) -> None:
+        """With `cache` splitting at the final norm (every block frozen), evaluations run each example through the
+        model once per run and afterwards only the final norm and the head on its remembered last hidden state: a
+        frozen body gives every example the same features all run long. Any other cache (or None) evaluates with
+        full forward passes."""
+        whole = cache is not None and cache.start == len(cache.layers)
+        self._feature_cache = cache if whole else None
+        self._known: dict[int, tuple[Encoded, torch.Tensor, np.ndarray]] = {}
+
+    def _features_of(self, data: Encoded, order: np.ndarray, batch_size: int) -> torch.Tensor:
+        """The last hidden states of `data`'s examples `order`, computing only those not seen before."""
+        _, features, known = self._known.get(id(data), (data, None, np.zeros(len(data), dtype=bool)))
+        missing = order[~known[order]]
+        if missing.size:
+            fresh = self.last_features(self._feature_cache, data, missing, batch_size)
+            if features is None:
+                features = fresh.new_zeros((len(data), fresh.shape[1]))
+            features[torch.as_tensor(missing)] = fresh
+            known[missing] = True
+            self._known[id(data)] = (data, features, known)  # the data is held so that its id is not reused
+        return features[torch.as_tensor(order)]
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module, data: Encoded, batch_size: int = 32,
+                 indices=None) -> dict[str, float]:
+        if self._feature_cache is None:
+            return super().evaluate(model, data, batch_size, indices)
+        order = by_length(data, indices)
+        if not order.size:
+            return {"accuracy": 0.0, "loss": 0.0}
+        features = self._features_of(data, order, batch_size)
+        logits = self.head_logits(model, self._feature_cache.backbone.norm(features))
+        labels = torch.as_tensor(data.labels[order], device=logits.device)
+        return {"accuracy": int((logits.argmax(-1) == labels).sum()) / order.size,
+                "loss": float(F.cross_entropy(logits, labels, reduction="sum")) / order.size}
 
     def attach_label_head(self, model: torch.nn.Module) -> None:
         """Give the model its own copy of the label words' output rows (classes x hidden), which the logits then

@@ -109,8 +109,10 @@ def build(config: FinetuneConfig) -> Setup:
     train, test = load_splits(config)
     num_classes = len(train.label_names) if train.label_names else None
     model, trainable, task = build_model(config, num_classes, device)
-    return Setup(config, model, trainable, task, task.encode(train), task.encode(test), train.label_names, train,
-                 prefix_cache(config, model, trainable))
+    cache = prefix_cache(config, model, trainable)
+    if isinstance(task, PromptClassification):
+        task.evaluate_from_features(cache)
+    return Setup(config, model, trainable, task, task.encode(train), task.encode(test), train.label_names, train, cache)
 
 
 def run_device(config: FinetuneConfig) -> torch.device:
