@@ -43,7 +43,8 @@ def reached(curve: list[list[float]], target: float) -> float | None:
 
 def summary_lines(rows: list[dict]) -> list[str]:
     lines = []
-    for (dataset, alpha, trainable, budget), group in by_setting([r for r in rows if r["phase"] == "final"]).items():
+    finals = [r for r in rows if r["phase"] == "final"]
+    for (dataset, alpha, trainable, budget), group in by_setting(finals).items():
         by_row: dict[str, list[dict]] = {}
         for r in group:
             by_row.setdefault(r["row"], []).append(r)
@@ -57,6 +58,9 @@ def summary_lines(rows: list[dict]) -> list[str]:
             lines.append(f"| {name} | {len(rs)} | {acc.mean():.4f} ± {spread} | {end:.4f} | {rs[0]['rounds']} "
                          f"| {rs[0]['forward_passes']:,.0f} | {rs[0]['bytes_up_per_client_round']:,.0f} |")
         lines += comparison_lines(by_row)
+        fedavg = [r for r in finals if r["row"] == "fedavg-lora" and (r["dataset"], r["alpha"], r["budget"])
+                  == (dataset, alpha, budget)]  # its own trainable set, whatever the ZO rows train
+        lines += same_engine_lines(by_row, fedavg)
         lines.append("")
     return lines
 
@@ -156,6 +160,35 @@ def figures(rows: list[dict]) -> list[str]:
         plot_curves(groups, f"{dataset}, alpha {alpha}, {trainable}, {budget:,.0f} passes ({what})", RESULTS / name)
         lines += [f"![{dataset} {trainable}]({name})", ""]
     return lines
+
+
+def paired(mine: list[dict], theirs: list[dict]) -> tuple[list[int], np.ndarray]:
+    """The seeds both row lists have, and the paired final-accuracy differences on them in points."""
+    a, b = {r["seed"]: r for r in mine}, {r["seed"]: r for r in theirs}
+    seeds = sorted(a.keys() & b.keys())
+    return seeds, np.array([a[s]["final_accuracy"] - b[s]["final_accuracy"] for s in seeds]) * 100
+
+
+def same_engine_lines(by_row: dict[str, list[dict]], fedavg: list[dict]) -> list[str]:
+    """Each zofed variant row against the baseline given the same lever (its row name with the method swapped:
+    zofed-features-cached against hiso-features-cached), and against FedAvg with LoRA, on the seeds they share:
+    how much of a margin is the method's and how much the engine's."""
+    lines = []
+    for name, rs in by_row.items():
+        method, _, lever = name.partition("-")
+        if method != "zofed" or not lever:
+            continue
+        others = [(f"{m}-{lever}", by_row[f"{m}-{lever}"]) for m in sorted({ROWS[n][0] for n in ROWS} - {"zofed"})
+                  if f"{m}-{lever}" in by_row]
+        for label, theirs in [*others, ("fedavg-lora", fedavg)]:
+            seeds, diff = paired(rs, theirs)
+            if not seeds:
+                continue
+            se = f"{diff.std(ddof=1) / np.sqrt(len(diff)):.2f}" if len(diff) > 1 else "n/a"
+            lines.append(f"- {name} minus {label}, paired over seeds {seeds}: {diff.mean():+.2f} points (standard "
+                         f"error {se})")
+    return (["", "The same engine (a zofed variant against the baseline row with its lever, and against FedAvg "
+             "with LoRA):", "", *lines] if lines else [])
 
 
 def write_report(table: dict) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import ranking_protocol as protocol  # noqa: E402
-from ranking_report import comparison_lines  # noqa: E402
+from ranking_report import comparison_lines, same_engine_lines  # noqa: E402
 
 
 def test_rows_are_charged_their_own_passes_and_spend_at_most_the_budget():
@@ -54,3 +54,19 @@ def test_the_targets_are_judged_from_the_rows():
     by_row["zofed"][1]["curve"] = by_row["zofed"][0]["curve"]
     five = "\n".join(comparison_lines(by_row))
     assert "standard errors: met\n" in five + "\n" and "of decomfl's 1,000 passes on average: met\n" in five + "\n"
+
+
+def test_a_zofed_variant_is_paired_with_the_baseline_given_its_lever_and_with_fedavg():
+    curve = [(0, 0.6), (1000, 0.8)]
+    by_row = {"zofed-features-cached": [_row("zofed-features-cached", s, f, curve)
+                                        for s, f in enumerate([0.82, 0.79, 0.83])],
+              "hiso-features-cached": [_row("hiso-features-cached", s, f, curve) for s, f in enumerate([0.80, 0.80])],
+              "hiso": [_row("hiso", 0, 0.5, curve)]}  # no lever: not zofed-features-cached's pair
+    fedavg = [_row("fedavg-lora", s, f, curve) for s, f in enumerate([0.83, 0.84, 0.84, 0.85])]
+    lines = same_engine_lines(by_row, fedavg)
+    assert "- zofed-features-cached minus hiso-features-cached, paired over seeds [0, 1]: +0.50 points (standard " \
+           "error 1.50)" in lines
+    assert "- zofed-features-cached minus fedavg-lora, paired over seeds [0, 1, 2]: -2.33 points (standard error " \
+           "1.33)" in lines
+    assert not any("minus hiso," in line for line in lines)
+    assert same_engine_lines({"zofed": by_row["zofed-features-cached"]}, []) == []  # zofed itself has comparison_lines
