@@ -157,7 +157,7 @@ class Task:
                             f"{sorted(fields)} (data.text_columns picks them)") from None
 
     def _tokenize(self, texts: list[str]) -> list[list[int]]:
-        # One call per chunk: a fast tokenizer encodes a list in one go (35,000 tweets: 1 s instead of 7).
+        # One call per chunk: a fast tokenizer encodes a list in one go (35,154 tweets: 3.5 s instead of 6.1).
         ids = [row for start in range(0, len(texts), 4096)
                for row in self.tokenizer(texts[start:start + 4096], add_special_tokens=True)["input_ids"]]
         # Keep the end of an over-long prompt: it holds the question the label word answers.
