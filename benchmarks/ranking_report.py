@@ -109,7 +109,7 @@ def comparison_lines(by_row: dict[str, list[dict]]) -> list[str]:
         lines.append(f"- Half the compute: missed, {sum(h is None for h in hits)} of zofed's {len(hits)} seeds never "
                      f"reach {best}'s final subset accuracy")
     if len(seeds) >= 2:
-        diff = np.array([mine[s]["final_accuracy"] - theirs[s]["final_accuracy"] for s in seeds]) * 100
+        diff = paired(by_row["zofed"], baselines[best])[1]
         se = diff.std(ddof=1) / np.sqrt(len(diff))
         verdict = met if diff.mean() >= 2 and diff.mean() >= 2 * se else "missed"
         lines.append(f"- zofed minus {best}, paired over seeds {seeds}: {diff.mean():+.2f} points (standard error "

@@ -256,20 +256,21 @@ class PromptClassification(Task):
         full forward passes."""
         whole = cache is not None and cache.start == len(cache.layers)
         self._feature_cache = cache if whole else None
-        self._known: dict[int, tuple[Encoded, torch.Tensor, np.ndarray]] = {}
+        # per dataset: the data (held, so that its id is not reused), each example's row in the features (-1: not
+        # computed yet), and the rows computed so far: memory grows with the examples evaluated, not the dataset
+        self._known: dict[int, tuple[Encoded, np.ndarray, torch.Tensor | None]] = {}
 
     def _features_of(self, data: Encoded, order: np.ndarray, batch_size: int) -> torch.Tensor:
         """The last hidden states of `data`'s examples `order`, computing only those not seen before."""
-        _, features, known = self._known.get(id(data), (data, None, np.zeros(len(data), dtype=bool)))
-        missing = order[~known[order]]
+        _, row, features = self._known.get(id(data), (data, np.full(len(data), -1), None))
+        missing = order[row[order] < 0]
         if missing.size:
             fresh = self.last_features(self._feature_cache, data, missing, batch_size)
-            if features is None:
-                features = fresh.new_zeros((len(data), fresh.shape[1]))
-            features[torch.as_tensor(missing)] = fresh
-            known[missing] = True
-            self._known[id(data)] = (data, features, known)  # the data is held so that its id is not reused
-        return features[torch.as_tensor(order)]
+            done = 0 if features is None else len(features)
+            row[missing] = np.arange(done, done + missing.size)
+            features = fresh if features is None else torch.cat([features, fresh])
+            self._known[id(data)] = (data, row, features)
+        return features[torch.as_tensor(row[order])]
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, data: Encoded, batch_size: int = 32,
@@ -279,8 +280,7 @@ class PromptClassification(Task):
         order = by_length(data, indices)
         if not order.size:
             return {"accuracy": 0.0, "loss": 0.0}
-        features = self._features_of(data, order, batch_size)
-        logits = self.head_logits(model, self._feature_cache.backbone.norm(features))
+        logits = self.feature_logits(model, self._feature_cache, self._features_of(data, order, batch_size))
         labels = torch.as_tensor(data.labels[order], device=logits.device)
         return {"accuracy": int((logits.argmax(-1) == labels).sum()) / order.size,
                 "loss": float(F.cross_entropy(logits, labels, reduction="sum")) / order.size}
@@ -332,8 +332,11 @@ class PromptClassification(Task):
     def feature_loss(self, model: torch.nn.Module, cache: PrefixCache, features: torch.Tensor, labels: torch.Tensor,
                      shift: torch.Tensor | None = None) -> float:
         """The mean loss of examples given by their `last_features`: the final norm and the head, nothing more."""
-        logits = self.head_logits(model, cache.backbone.norm(features))
-        return float(F.cross_entropy(shifted(logits, shift), labels))
+        return float(F.cross_entropy(shifted(self.feature_logits(model, cache, features), shift), labels))
+
+    def feature_logits(self, model: torch.nn.Module, cache: PrefixCache, features: torch.Tensor) -> torch.Tensor:
+        """Label-word logits of examples given by their `last_features`."""
+        return self.head_logits(model, cache.backbone.norm(features))
 
     def logits_from_hidden(self, model: torch.nn.Module, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
         """Label-word logits at each row's last position, from the backbone's last hidden state."""
