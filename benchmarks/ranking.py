@@ -49,6 +49,7 @@ from ranking_protocol import (
     rounds_for,
     row_key,
     row_overrides,
+    server_default,
     setting_key,
 )
 from ranking_report import write_report
@@ -69,11 +70,12 @@ def _config(phase: str, row: str, trainable: str, dataset: str, alpha: float, se
     overrides, _ = row_overrides(row, trainable)
     rounds = rounds_for(row, trainable, budget)
     first_order = get_method(method).first_order
-    default = get_method(method).server_default
+    default = server_default(row)
     lr_key = "federation.first_order_lr" if first_order else "optimizer.lr"
     return load_config(None, [
         *COMMON, *TASKS[dataset], *overrides, f"federation.method={method}", f"{lr_key}={lr}",
-        f"federation.server_optimizer.lr={default.lr * factor}", f"federation.rounds={rounds}",
+        f"federation.server_optimizer.name={default.name}", f"federation.server_optimizer.lr={default.lr * factor}",
+        f"federation.rounds={rounds}",
         f"federation.eval_every={max(1, rounds // 6)}",
         f"data.evaluate_on={'validation' if phase == 'tune' else 'test'}", f"data.source=shared:{dataset}",
         f"federation.partition.alpha={alpha}", f"federation.partition.seed={seed}", f"train.seed={seed}",

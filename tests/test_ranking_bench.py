@@ -70,3 +70,21 @@ def test_a_zofed_variant_is_paired_with_the_baseline_given_its_lever_and_with_fe
            "1.33)" in lines
     assert not any("minus hiso," in line for line in lines)
     assert same_engine_lines({"zofed": by_row["zofed-features-cached"]}, []) == []  # zofed itself has comparison_lines
+
+
+def test_a_row_can_run_another_server_optimizer_than_its_method_default(tmp_path):
+    from ranking import _config  # noqa: PLC0415 (imports torch and the engine; only this test needs them)
+
+    def server(row: str, factor: float) -> dict:
+        config = _config("tune", row, "head", "agnews", 0.1, 0, 1e-3, factor, 1000, tmp_path)
+        return config.federation.server_optimizer.resolved(config.federation.method, config.federation.rounds)
+
+    # the demo's settings: plain averaging, the grid's factor scaling its lr, one pass a client round
+    assert server("zofed-averaged-cached", 0.3) == pytest.approx(
+        {"name": "sgd", "lr": 0.3, "decay_rounds": 0, "relative": False, "warm_start": False})
+    assert protocol.per_client_round_cost("zofed-averaged-cached", "head") == pytest.approx(1.0)
+    assert protocol.per_client_round_cost("hiso-averaged-cached", "head") == pytest.approx(1.0)
+    # every other row keeps its method's own server: zofed's relative global adam, HiSo's averaging
+    assert server("zofed-features-cached", 1.0)["name"] == "adam"
+    assert server("zofed-features-cached", 1.0)["relative"] is True
+    assert server("hiso-averaged-cached", 1.0)["name"] == "sgd"
