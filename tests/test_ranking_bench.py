@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import ranking_protocol as protocol  # noqa: E402
-from ranking_report import comparison_lines, same_engine_lines  # noqa: E402
+from ranking_report import comparison_lines, judged_row, same_engine_lines  # noqa: E402
 
 
 def test_rows_are_charged_their_own_passes_and_spend_at_most_the_budget():
@@ -54,6 +54,26 @@ def test_the_targets_are_judged_from_the_rows():
     by_row["zofed"][1]["curve"] = by_row["zofed"][0]["curve"]
     five = "\n".join(comparison_lines(by_row))
     assert "standard errors: met\n" in five + "\n" and "of decomfl's 1,000 passes on average: met\n" in five + "\n"
+
+
+def test_the_targets_are_judged_on_the_zofed_variant_validation_chose():
+    tuned = {"zofed": 0.77, "zofed-features-cached": 0.815, "zofed-q48": 0.79, "hiso": 0.9}  # hiso is no zofed row
+    chosen = {protocol.setting_key("agnews", "head", 1000, n): {"validation_accuracy": a} for n, a in tuned.items()}
+    chosen[protocol.setting_key("sst2", "head", 1000, "zofed-q48")] = {"validation_accuracy": 0.99}  # another task
+    assert judged_row(chosen, "agnews", "head", 1000) == ("zofed-features-cached", 0.815)
+    assert judged_row(chosen, "agnews", "top4", 1000) == ("zofed", None)  # nothing tuned: zofed's defaults
+    curve = [(0, 0.6), (300, 0.76), (1000, 0.80)]
+    by_row = {"zofed-features-cached": [_row("zofed-features-cached", s, f, curve) for s, f in enumerate([0.8, 0.81])],
+              "hiso-features-cached": [_row("hiso-features-cached", s, 0.5, curve) for s in range(2)],
+              "hiso": [_row("hiso", s, f, [(0, 0.6), (1000, 0.75)]) for s, f in enumerate([0.75, 0.76])]}
+    text = "\n".join(comparison_lines(by_row, "zofed-features-cached"))
+    # the baseline is the published one (no lever), never the row given zofed's engine
+    assert "best ZO baseline here is hiso (subset accuracy 0.7500" in text
+    assert "zofed-features-cached reaches hiso's final subset accuracy at 0.30 of hiso's 1,000 passes" in text
+    assert "zofed-features-cached minus hiso, paired over seeds [0, 1]: +5.00 points" in text
+    del by_row["hiso"]
+    assert "No published ZO baseline" in "\n".join(comparison_lines(by_row, "zofed-features-cached"))
+    assert "zofed has no final rows here yet" in "\n".join(comparison_lines(by_row))
 
 
 def test_a_zofed_variant_is_paired_with_the_baseline_given_its_lever_and_with_fedavg():
