@@ -34,6 +34,7 @@ import platform
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 from calibrate import TASKS  # benchmarks/ is the script's own directory, so first on sys.path
 from ranking_protocol import (
@@ -56,12 +57,17 @@ from ranking_report import write_report
 from row_pool import record_rows, run_rows
 
 from zofed.data.builtin import shared_data_dir
+from zofed.data.partition import client_splits
 from zofed.fl.methods import get_method
 from zofed.run.checkpoint import find_checkpoint
 from zofed.run.config import load_config
 from zofed.run.federated import run_federated
 from zofed.run.federated_config import FederatedConfig
 from zofed.run.metrics import MetricsLog
+from zofed.run.setup import build
+
+FEATURE_STORE = ROOT / "runs" / "feature-store"  # remembered body features, one file per model (not committed)
+WARM_CHUNK = 1024
 
 
 def _config(phase: str, row: str, trainable: str, dataset: str, alpha: float, seed: int, lr: float, factor: float,
@@ -72,14 +78,39 @@ def _config(phase: str, row: str, trainable: str, dataset: str, alpha: float, se
     first_order = get_method(method).first_order
     default = server_default(row)
     lr_key = "federation.first_order_lr" if first_order else "optimizer.lr"
+    # a frozen body: the simulation runs each example through it once, for every row and seed (FEATURE_STORE)
+    remember = (["train.remember_features=true", f"train.features_dir={FEATURE_STORE}"]
+                if TRAINABLE[trainable][1] == 0.0 and not first_order else [])
     return load_config(None, [
-        *COMMON, *TASKS[dataset], *overrides, f"federation.method={method}", f"{lr_key}={lr}",
+        *COMMON, *TASKS[dataset], *overrides, *remember, f"federation.method={method}", f"{lr_key}={lr}",
         f"federation.server_optimizer.name={default.name}", f"federation.server_optimizer.lr={default.lr * factor}",
         f"federation.rounds={rounds}",
         f"federation.eval_every={max(1, rounds // 6)}",
         f"data.evaluate_on={'validation' if phase == 'tune' else 'test'}", f"data.source=shared:{dataset}",
         f"federation.partition.alpha={alpha}", f"federation.partition.seed={seed}", f"train.seed={seed}",
         f"out_dir={out}"], schema=FederatedConfig)
+
+
+def warm_features(pending: list[tuple], threads: int) -> None:
+    """Run the frozen body once over the examples the pending runs read (their clients' and the evaluated split),
+    here with every thread, and store the features: the runs then read them instead of each computing them."""
+    torch.set_num_threads(threads)
+    done = set()
+    for phase, row, trainable, dataset, alpha, seed, lr, factor, budget in pending:
+        config = _config(phase, row, trainable, dataset, alpha, seed, lr, factor, budget, ROOT / "runs" / "unused")
+        if not config.train.remember_features or (phase, dataset, alpha, seed) in done:
+            continue
+        done.add((phase, dataset, alpha, seed))
+        setup = build(config)
+        splits = client_splits(setup.train_data, config.federation.partition)
+        clients = np.unique(np.concatenate([np.concatenate([s.train, s.test]) for s in splits]))
+        for name, data, order in [("evaluated split", setup.test, np.arange(len(setup.test))),
+                                  ("clients' examples", setup.train, clients)]:
+            for start in range(0, len(order), WARM_CHUNK):
+                setup.task.remembered_features(data, order[start:start + WARM_CHUNK], config.train.eval_batch_size)
+                setup.task.save_remembered()  # a chunk at a time: an interrupted warm-up keeps what it ran
+                print(f"features of {dataset} seed {seed} ({phase}): {name} "
+                      f"{min(start + WARM_CHUNK, len(order))}/{len(order)}", flush=True)
 
 
 def run_one(phase: str, row: str, trainable: str, dataset: str, alpha: float, seed: int, lr: float, factor: float,
@@ -159,6 +190,7 @@ def main() -> None:
                         if row_key(args.phase, row, args.trainable, dataset, alpha, seed, lr, factor, args.budget)
                         not in table["rows"]]
     print(f"{len(pending)} runs to do, {args.jobs} at a time", flush=True)
+    warm_features(pending, args.threads * args.jobs)
     record_rows(run_rows(_process, pending, row_key, args.jobs, args.threads), table, path,
                 lambda: write_report(table), "curve")
 

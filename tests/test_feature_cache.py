@@ -8,6 +8,7 @@ import pytest
 import torch
 from toy_federation import tiny_federated_config, toy_context
 
+from zofed.data.body_features import BodyFeatures, fingerprint
 from zofed.models.selection import TrainableConfig, select_trainable
 from zofed.run.config import ConfigError
 from zofed.run.federated import run_federated
@@ -83,24 +84,116 @@ def test_evaluating_a_frozen_body_runs_each_example_through_it_once_per_run():
     rows, more = np.arange(0, 24), np.arange(16, 40)
     full = ctx.task.evaluate(model, ctx.train, 8, rows)
     assert sum(seen) == 24
-    ctx.task.evaluate_from_features(cache)
+    ctx.task.remember_body(BodyFeatures(cache))
     remembered = ctx.task.evaluate(model, ctx.train, 8, rows)
     assert remembered["accuracy"] == full["accuracy"]
     assert remembered["loss"] == pytest.approx(full["loss"], abs=1e-5)
-    assert sum(seen) == 48
-    ctx.task.evaluate(model, ctx.train, 8, more)  # only the 16 examples not seen before run the blocks
-    assert sum(seen) == 64
+    assert sum(seen) == 24 + _distinct(ctx, rows)  # an example repeated word for word runs once
+    ctx.task.evaluate(model, ctx.train, 8, more)  # only the examples not seen before run the blocks
+    known = 24 + _distinct(ctx, rows, more)
+    assert sum(seen) == known
     with torch.no_grad():  # a new head is read from the remembered features at once
         trainable.tensors()[0].mul_(-1)
     moved = ctx.task.evaluate(model, ctx.train, 8, rows)
-    assert sum(seen) == 64
-    ctx.task.evaluate_from_features(None)
+    assert sum(seen) == known
+    ctx.task.remember_body(None)
     fresh = ctx.task.evaluate(model, ctx.train, 8, rows)
     assert abs(fresh["loss"] - full["loss"]) > 1e-3
     assert moved["accuracy"] == fresh["accuracy"]
     assert moved["loss"] == pytest.approx(fresh["loss"], abs=1e-5)
-    assert sum(seen) == 88
-    ctx.task.evaluate_from_features(PrefixCache(model, 1))  # blocks above the cut may train: no memory
-    ctx.task.evaluate(model, ctx.train, 8, rows)
-    ctx.task.evaluate(model, ctx.train, 8, rows)
-    assert sum(seen) == 88 + 2 * 24
+    assert sum(seen) == known + 24
+    with pytest.raises(ValueError, match="every block frozen"):  # blocks above the cut may train: no memory
+        BodyFeatures(PrefixCache(model, 1))
+
+
+def _distinct(ctx, *rows) -> int:
+    """How many different token sequences the examples `rows` hold (the toy data repeats some sentences)."""
+    return len({tuple(ctx.train.input_ids[i]) for r in rows for i in r})
+
+
+def _blocks_seen(model) -> list[int]:
+    """A list that grows by the batch size each time the model's body runs."""
+    seen: list[int] = []
+    PrefixCache(model, 0).backbone.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.append(len(kwargs["input_ids"])), with_kwargs=True)
+    return seen
+
+
+def test_remembered_body_features_give_the_full_forward_losses_and_run_each_example_once():
+    ctx, model, trainable = _head_context()
+    rows, overlapping = np.arange(0, 16), np.arange(8, 24)
+    shift = torch.tensor([0.2, -0.5])
+    full = [ctx.task.loss(model, ctx.task.collate(ctx.train, r), shift) for r in (rows, overlapping)]
+    seen = _blocks_seen(model)
+    whole = PrefixCache(model, first_trainable_layer(model, trainable.names))
+    ctx.task.remember_body(BodyFeatures(whole), in_training=True)
+    assert ctx.task.loss(model, ctx.task.collate(ctx.train, rows), shift) == pytest.approx(full[0], abs=1e-5)
+    assert sum(seen) == _distinct(ctx, rows)
+    assert ctx.task.loss(model, ctx.task.collate(ctx.train, rows), shift) == pytest.approx(full[0], abs=1e-5)
+    assert ctx.task.loss(model, ctx.task.collate(ctx.train, overlapping), shift) == pytest.approx(full[1], abs=1e-5)
+    assert sum(seen) == _distinct(ctx, rows, overlapping)  # only the examples not seen before ran the body
+    cached = ctx.task.cached_loss(model, whole, ctx.task.collate(ctx.train, rows), shift)
+    features = ctx.task.last_features(whole, ctx.train, overlapping, batch_size=8)
+    assert sum(seen) == _distinct(ctx, rows, overlapping)
+    with torch.no_grad():  # the head is read afresh from the remembered rows
+        trainable.tensors()[0].mul_(-1)
+    ctx.task.remember_body(None)
+    moved = ctx.task.loss(model, ctx.task.collate(ctx.train, rows), shift)
+    assert abs(moved - full[0]) > 1e-3
+    assert cached() == pytest.approx(moved, abs=1e-5)
+    labels = torch.as_tensor(ctx.train.labels[overlapping])
+    assert ctx.task.feature_loss(model, whole, features, labels) == pytest.approx(
+        ctx.task.loss(model, ctx.task.collate(ctx.train, overlapping)), abs=1e-5)
+
+
+def test_a_features_store_is_shared_by_runs_of_the_same_body_only(tmp_path):
+    ctx, model, trainable = _head_context()
+    whole = PrefixCache(model, first_trainable_layer(model, trainable.names))
+    mark = fingerprint(model, trainable.names)
+    first, second = BodyFeatures(whole, tmp_path, mark), BodyFeatures(whole, tmp_path, mark)
+    ids = ctx.train.input_ids
+    run = lambda rows: lambda fresh: ctx.task._run_body(whole, ctx.train, np.asarray(rows)[fresh], 8)  # noqa: E731
+    a = first.lookup([ids[i] for i in range(10)], run(range(10)))
+    second.lookup([ids[i] for i in range(5, 20)], run(range(5, 20)))
+    first.save()
+    second.save()  # side by side: the second run merges its rows into the file the first wrote
+    with torch.no_grad():  # training the head does not change the body, nor the fingerprint
+        trainable.tensors()[0].add_(1.0)
+    assert fingerprint(model, trainable.names) == mark
+    later = BodyFeatures(whole, tmp_path, mark)
+    assert len(later) == _distinct(ctx, range(20)) and later.computed == 0
+    assert torch.allclose(later.lookup([ids[i] for i in range(10)], run([])), a)
+    assert later.computed == 0
+    with torch.no_grad():  # another body is another store
+        whole.backbone.layers[0].input_layernorm.weight.add_(0.1)
+    assert fingerprint(model, trainable.names) != mark
+    (tmp_path / f"{mark}.safetensors").write_bytes(b"not a tensor file")
+    with pytest.raises(ValueError, match="cannot be read"):
+        BodyFeatures(whole, tmp_path, mark)
+
+
+def test_a_run_remembering_body_features_learns_what_a_recomputing_run_learns(tiny_workspace, tmp_path):
+    head = ("trainable.mode=none", "trainable.label_head=true", "federation.method=zofed", "zo.queries=2",
+            "optimizer.lr=0.05", "federation.eval_every=1")
+    store = tmp_path / "store"
+    runs = {}
+    for name, extra in [("recomputed", ()), ("remembered", ("train.remember_features=true",
+                                                            f"train.features_dir={store}"))]:
+        config = tiny_federated_config(tiny_workspace, tmp_path / name, *head, *extra)
+        runs[name] = (run_federated(config, show_progress=False),
+                      [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()])
+    (plain, plain_log), (fast, fast_log) = runs["recomputed"], runs["remembered"]
+    assert fast["forward_passes"] == plain["forward_passes"]  # a client's compute is counted as it would run
+    for key in ("train_loss", "eval_accuracy"):
+        assert [r.get(key) for r in fast_log] == pytest.approx([r.get(key) for r in plain_log], abs=1e-4)
+    assert fast["test"]["accuracy"] == plain["test"]["accuracy"]
+    assert len(list(store.glob("*.safetensors"))) == 1
+    assert replay_run(tmp_path / "remembered").matches
+
+
+def test_remembered_features_are_refused_where_the_body_trains(tiny_workspace, tmp_path):
+    with pytest.raises(ConfigError, match="needs train.remember_features=true"):
+        tiny_federated_config(tiny_workspace, tmp_path / "a", f"train.features_dir={tmp_path}")
+    config = tiny_federated_config(tiny_workspace, tmp_path / "b", "train.remember_features=true")  # LoRA trains
+    with pytest.raises(ConfigError, match="whose body is frozen"):
+        run_federated(config, show_progress=False)

@@ -24,6 +24,7 @@ from zofed.data.sources import DataError, TextDataset
 from zofed.models.selection import LABEL_HEAD
 
 if TYPE_CHECKING:
+    from zofed.data.body_features import BodyFeatures
     from zofed.zo.prefix import PrefixCache
 
 TaskType = Literal["prompt-classification", "encoder-classification", "causal-lm"]
@@ -218,6 +219,9 @@ class Task:
         """A learning-curve point on the watched examples `indices`: the same measures as the final test."""
         return self.evaluate(model, data, batch_size, indices)
 
+    def save_remembered(self) -> None:
+        """Write what the task remembered across runs (prompt classification's body features); nothing here."""
+
 
 def by_length(data: Encoded, indices=None) -> np.ndarray:
     """`indices` (all examples by default) ordered by length: batches of similar lengths waste less compute on
@@ -244,46 +248,54 @@ class PromptClassification(Task):
             raise DataError(f"task.verbalizer words {empty} encode to no token; pick real words")
         self.label_token_ids = torch.tensor([i[0] for i in ids])
         self.num_classes = num_classes
-        self.evaluate_from_features(None)
+        self.remember_body(None)
         if len(set(self.label_token_ids.tolist())) != num_classes:
             raise DataError(f"task.verbalizer words {config.verbalizer} share their first token, so the model could "
                             "not tell their classes apart; pick words that start differently")
 
-    def evaluate_from_features(self, cache: PrefixCache | None) -> None:
-        """With `cache` splitting at the final norm (every block frozen), evaluations run each example through the
-        model once per run and afterwards only the final norm and the head on its remembered last hidden state: a
-        frozen body gives every example the same features all run long. Any other cache (or None) evaluates with
-        full forward passes."""
-        whole = cache is not None and cache.start == len(cache.layers)
-        self._feature_cache = cache if whole else None
-        # per dataset: the data (held, so that its id is not reused), each example's row in the features (-1: not
-        # computed yet), and the rows computed so far: memory grows with the examples evaluated, not the dataset
-        self._known: dict[int, tuple[Encoded, np.ndarray, torch.Tensor | None]] = {}
+    def remember_body(self, memo: BodyFeatures | None, *, in_training: bool = False) -> None:
+        """Evaluate from `memo`'s remembered body features (every block frozen): each example runs through the model
+        once per run, and afterwards only the final norm and the head read its remembered row. `in_training` reads
+        every training loss off it too (train.remember_features). None: full forward passes."""
+        self._body = memo
+        self._body_in_training = memo is not None and in_training
 
-    def _features_of(self, data: Encoded, order: np.ndarray, batch_size: int) -> torch.Tensor:
-        """The last hidden states of `data`'s examples `order`, computing only those not seen before."""
-        _, row, features = self._known.get(id(data), (data, np.full(len(data), -1), None))
-        missing = order[row[order] < 0]
-        if missing.size:
-            fresh = self.last_features(self._feature_cache, data, missing, batch_size)
-            done = 0 if features is None else len(features)
-            row[missing] = np.arange(done, done + missing.size)
-            features = fresh if features is None else torch.cat([features, fresh])
-            self._known[id(data)] = (data, row, features)
-        return features[torch.as_tensor(row[order])]
+    def remembered_features(self, data: Encoded, order: np.ndarray, batch_size: int) -> torch.Tensor:
+        """The body features of `data`'s examples `order`, running only those not seen before."""
+        order = np.asarray(order)
+        return self._body.lookup([data.input_ids[i] for i in order],
+                                 lambda fresh: self._run_body(self._body.cache, data, order[fresh], batch_size))
+
+    def _batch_features(self, batch: Batch) -> torch.Tensor:
+        """The body features of a batch's rows, running only the rows not seen before."""
+        lengths = batch.attention_mask.sum(1).tolist()
+        ids = [row[:n] for row, n in zip(batch.input_ids.tolist(), lengths, strict=True)]
+
+        def run(fresh: list[int]) -> torch.Tensor:
+            pick = torch.as_tensor(fresh, device=batch.input_ids.device)
+            width = max(lengths[i] for i in fresh)
+            sub = Batch(batch.input_ids[pick, :width], batch.attention_mask[pick, :width], batch.labels[pick])
+            return self._capture_last(self._body.cache, sub)
+
+        return self._body.lookup(ids, run)
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, data: Encoded, batch_size: int = 32,
                  indices=None) -> dict[str, float]:
-        if self._feature_cache is None:
+        if self._body is None:
             return super().evaluate(model, data, batch_size, indices)
         order = by_length(data, indices)
         if not order.size:
             return {"accuracy": 0.0, "loss": 0.0}
-        logits = self.feature_logits(model, self._feature_cache, self._features_of(data, order, batch_size))
+        logits = self.feature_logits(model, self._body.cache, self.remembered_features(data, order, batch_size))
         labels = torch.as_tensor(data.labels[order], device=logits.device)
         return {"accuracy": int((logits.argmax(-1) == labels).sum()) / order.size,
                 "loss": float(F.cross_entropy(logits, labels, reduction="sum")) / order.size}
+
+    def save_remembered(self) -> None:
+        """Write the remembered body features to their store, when the run keeps one (train.features_dir)."""
+        if self._body is not None:
+            self._body.save()
 
     def attach_label_head(self, model: torch.nn.Module) -> None:
         """Give the model its own copy of the label words' output rows (classes x hidden), which the logits then
@@ -295,6 +307,8 @@ class PromptClassification(Task):
         lm.register_parameter(LABEL_HEAD, torch.nn.Parameter(rows.contiguous(), requires_grad=False))
 
     def logits(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        if self._body_in_training:
+            return self.feature_logits(model, self._body.cache, self._batch_features(batch))
         lm = unwrap(model)
         backbone = getattr(lm, lm.base_model_prefix)
         hidden = backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
@@ -303,6 +317,9 @@ class PromptClassification(Task):
     def cached_loss(self, model: torch.nn.Module, cache: PrefixCache, batch: Batch,
                     shift: torch.Tensor | None = None) -> Callable[[], float]:
         """The batch's loss as a function of the trainable top blocks only: the frozen bottom runs once, here."""
+        if self._body_in_training:  # every block frozen: the body's output is remembered, not rerun
+            features = self._batch_features(batch)
+            return lambda: self.feature_loss(model, cache, features, batch.labels, shift)
         prefix = cache.capture(batch.input_ids, batch.attention_mask)
 
         @torch.no_grad()
@@ -320,13 +337,19 @@ class PromptClassification(Task):
         if cache.start != len(cache.layers):
             raise ValueError(f"cached features need every block frozen; the trainable tensors start at block "
                              f"{cache.start} of {len(cache.layers)}")
-        rows = []
-        for start in range(0, len(indices), batch_size):
-            batch = self.collate(data, indices[start:start + batch_size])
-            prefix = cache.capture(batch.input_ids, batch.attention_mask)
-            hidden = prefix.args[0] if prefix.args else prefix.kwargs["hidden_states"]
-            rows.append(last_position(hidden, batch))
-        return torch.cat(rows)
+        if self._body_in_training:
+            return self.remembered_features(data, indices, batch_size)
+        return self._run_body(cache, data, indices, batch_size)
+
+    def _run_body(self, cache: PrefixCache, data: Encoded, indices: np.ndarray, batch_size: int) -> torch.Tensor:
+        return torch.cat([self._capture_last(cache, self.collate(data, indices[start:start + batch_size]))
+                          for start in range(0, len(indices), batch_size)])
+
+    @torch.no_grad()
+    def _capture_last(self, cache: PrefixCache, batch: Batch) -> torch.Tensor:
+        prefix = cache.capture(batch.input_ids, batch.attention_mask)
+        hidden = prefix.args[0] if prefix.args else prefix.kwargs["hidden_states"]
+        return last_position(hidden, batch)
 
     @torch.no_grad()
     def feature_loss(self, model: torch.nn.Module, cache: PrefixCache, features: torch.Tensor, labels: torch.Tensor,

@@ -128,6 +128,17 @@ class TrainSection(_Section):
     eval_batch_size: int = Field(32, ge=1)
     checkpoint_every: int = Field(50, ge=1)
     seed: int = 0
+    # A simulation speedup for a model whose blocks are all frozen (the label head alone): each example runs
+    # through the body once per run and every loss reads the head off its remembered features. The compute a
+    # run reports is still what each client would run.
+    remember_features: bool = False
+    features_dir: str | None = None  # keep the remembered features across runs of the same model, one file each
+
+    @model_validator(mode="after")
+    def _store_needs_memory(self) -> TrainSection:
+        if self.features_dir is not None and not self.remember_features:
+            raise ValueError("train.features_dir stores remembered features; it needs train.remember_features=true")
+        return self
 
 
 class FinetuneConfig(_Section):

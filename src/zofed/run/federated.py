@@ -172,6 +172,7 @@ class FederatedRun:
         test = setup.task.evaluate(setup.model, setup.test, config.train.eval_batch_size)
         test_seconds = time.perf_counter() - t0
         metric, clients = per_client_metric(setup, self.splits, config.train.eval_batch_size)
+        setup.task.save_remembered()
         records = self.metrics.read()
         history = [r for r in records if r["event"] == "round"]
         key = f"eval_{metric}"

@@ -122,6 +122,7 @@ def finish(setup: Setup, out: Path, **extra: Any) -> dict[str, Any]:
     """Save the trained tensors and evaluate on the whole test split."""
     save_final(setup, out)
     test = setup.task.evaluate(setup.model, setup.test, setup.config.train.eval_batch_size)
+    setup.task.save_remembered()
     results = {"test": test, "test_examples": len(setup.test), "trainable_parameters": setup.trainable.numel(),
                "steps": setup.config.train.steps, **extra}
     write_atomic_text(out / "results.json", json.dumps(results, indent=2))

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from zofed import streams
+from zofed.data.body_features import BodyFeatures, fingerprint
 from zofed.data.builtin import BUILTIN_DATASETS, load_builtin, load_shared
 from zofed.data.sources import TextDataset, load_dataset_spec
 from zofed.data.tasks import Encoded, PromptClassification, Task, make_task
@@ -111,7 +112,7 @@ def build(config: FinetuneConfig) -> Setup:
     model, trainable, task = build_model(config, num_classes, device)
     cache = prefix_cache(config, model, trainable)
     if isinstance(task, PromptClassification):
-        task.evaluate_from_features(cache)
+        task.remember_body(body_memo(config, model, trainable, cache), in_training=config.train.remember_features)
     return Setup(config, model, trainable, task, task.encode(train), task.encode(test), train.label_names, train, cache)
 
 
@@ -158,6 +159,37 @@ def prefix_cache(config: FinetuneConfig, model: torch.nn.Module, trainable: Trai
         raise ConfigError("zo.prefix_cache needs a decoder-only model (blocks in `layers`, a final `norm`) whose "
                           "trainable tensors all lie in its blocks or above them, none in the embeddings")
     return PrefixCache(model, start)
+
+
+def body_memo(config: FinetuneConfig, model: torch.nn.Module, trainable: TrainableParams,
+              cache: PrefixCache | None) -> BodyFeatures | None:
+    """The frozen body's remembered features: for every loss with train.remember_features, else for evaluations
+    when the prefix cache splits at the final norm (every block frozen); None when the body may train."""
+    if config.train.remember_features:
+        whole = frozen_body(model, trainable) if config.task.type == "prompt-classification" else None
+        if whole is None:
+            raise ConfigError("train.remember_features needs a prompt-classification task on a decoder whose body is "
+                              "frozen (only the label head or the final norm trains: trainable.mode=none with "
+                              "trainable.label_head=true)")
+        store = config.train.features_dir
+        return BodyFeatures(whole, None if store is None else Path(store),
+                            None if store is None else fingerprint(model, trainable.names))
+    if cache is not None and cache.start == len(cache.layers):
+        return BodyFeatures(cache)
+    return None
+
+
+def frozen_body(model: torch.nn.Module, trainable: TrainableParams) -> PrefixCache | None:
+    """The split at the final norm when no trainable tensor is part of the body below it (a tied output embedding
+    is the input embedding), else None."""
+    start = first_trainable_layer(model, trainable.names)
+    if start is None:
+        return None
+    cache = PrefixCache(model, start)
+    below = {p.data_ptr() for name, p in cache.backbone.named_parameters() if not name.startswith("norm.")}
+    if cache.start != len(cache.layers) or any(p.data_ptr() in below for p in trainable.params):
+        return None
+    return cache
 
 
 def eval_indices(config: FinetuneConfig, test: Encoded) -> np.ndarray:

@@ -1,0 +1,114 @@
+"""Remembered body features: with every block of a decoder frozen, an example's input to the final norm at its last
+position never changes during a run, so the model's body runs once per example and every later loss or evaluation
+reads the label head off the remembered row.
+
+Rows are keyed by the example's token ids (so a template, truncation or dataset change is a new key) and belong
+to one model: the fingerprint hashes the frozen weights. A store directory keeps them across runs of the same model
+(`train.features_dir`), one file per fingerprint, merged under a lock so that runs side by side add to it.
+
+This saves the simulator's time, not a client's: the compute a run reports is still what each client would run
+(`forward_equivalents`), whatever the simulator remembered.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from zofed.zo.prefix import PrefixCache
+
+KEY_BYTES = 16
+
+
+def example_key(ids: Sequence[int] | np.ndarray) -> bytes:
+    """An example's key: a hash of its token ids."""
+    return hashlib.blake2b(np.asarray(ids, dtype=np.int64).tobytes(), digest_size=KEY_BYTES).digest()
+
+
+def fingerprint(model: torch.nn.Module, trainable_names: Sequence[str]) -> str:
+    """A hash of the model's frozen tensors (names, shapes, dtypes, values): two models share remembered features
+    only when their bodies compute the same thing."""
+    trainable = set(trainable_names)
+    digest = hashlib.blake2b(digest_size=12)
+    for name, tensor in sorted(model.state_dict().items()):
+        if name in trainable:  # what trains does not shape the features
+            continue
+        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}".encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+class BodyFeatures:
+    """The frozen body's last-position features of every example seen, computed once each."""
+
+    def __init__(self, cache: PrefixCache, store: Path | None = None, model_fingerprint: str | None = None) -> None:
+        if cache.start != len(cache.layers):
+            raise ValueError(f"remembered features need every block frozen; the trainable tensors start at block "
+                             f"{cache.start} of {len(cache.layers)}")
+        if store is not None and model_fingerprint is None:
+            raise ValueError("a features store needs the model's fingerprint")
+        self.cache = cache
+        self.device = next(cache.backbone.parameters()).device
+        self.rows: dict[bytes, int] = {}
+        self.features: list[torch.Tensor] = []  # one row each, in the order of `rows`
+        self.store = None if store is None else Path(store) / f"{model_fingerprint}.safetensors"
+        self.computed = 0  # examples this memo ran through the body (the rest were remembered or loaded)
+        self._saved = 0  # rows already in the store file when last loaded or saved
+        if self.store is not None and self.store.exists():
+            self._add(*_read(self.store))
+            self._saved = len(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def _add(self, keys: Sequence[bytes], features: torch.Tensor) -> None:
+        for key, row in zip(keys, features, strict=True):
+            if key not in self.rows:
+                self.rows[key] = len(self.features)
+                self.features.append(row.to(self.device))
+
+    def lookup(self, ids: Sequence[Sequence[int]], compute: Callable[[list[int]], torch.Tensor]) -> torch.Tensor:
+        """The features of the examples `ids` (token ids each); `compute(positions)` gives those of the examples at
+        `positions` not seen before (rows x hidden), in that order."""
+        keys = [example_key(row) for row in ids]
+        missing = sorted({k: i for i, k in reversed(list(enumerate(keys))) if k not in self.rows}.values())
+        if missing:
+            fresh = compute(missing)
+            self._add([keys[i] for i in missing], fresh.detach())
+            self.computed += len(missing)
+        return torch.stack([self.features[self.rows[k]] for k in keys])
+
+    def save(self) -> None:
+        """Merge the rows computed since the store was read into its file (atomically, under a lock)."""
+        if self.store is None or len(self.rows) == self._saved:
+            return
+        self.store.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.store.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if self.store.exists():  # another run may have added rows since
+                self._add(*_read(self.store))
+            keys = torch.frombuffer(bytearray(b"".join(self.rows)), dtype=torch.uint8).view(-1, KEY_BYTES)
+            tmp = self.store.with_suffix(f".tmp{os.getpid()}")
+            save_file({"keys": keys, "features": torch.stack(self.features).cpu().contiguous()}, str(tmp))
+            tmp.replace(self.store)
+            self._saved = len(self.rows)
+
+
+def _read(path: Path) -> tuple[list[bytes], torch.Tensor]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys, features = f.get_tensor("keys"), f.get_tensor("features")
+    except Exception as err:  # a truncated or foreign file: say which, rather than train on garbage
+        raise ValueError(f"the features store {path} cannot be read ({err}); delete it to start afresh") from None
+    if keys.ndim != 2 or keys.shape[1] != KEY_BYTES or len(keys) != len(features):
+        raise ValueError(f"the features store {path} is not a zofed features file (keys {tuple(keys.shape)}, "
+                         f"features {tuple(features.shape)}); delete it to start afresh")
+    return [bytes(k.tolist()) for k in keys], features
