@@ -108,3 +108,17 @@ def test_a_row_can_run_another_server_optimizer_than_its_method_default(tmp_path
     assert server("zofed-features-cached", 1.0)["name"] == "adam"
     assert server("zofed-features-cached", 1.0)["relative"] is True
     assert server("hiso-averaged-cached", 1.0)["name"] == "sgd"
+
+
+def test_rows_on_a_frozen_body_share_its_remembered_features_and_others_do_not(tmp_path):
+    from ranking import FEATURE_STORE, _config  # noqa: PLC0415
+
+    def remembers(row: str, trainable: str) -> bool:
+        train = _config("final", row, trainable, "agnews", 0.1, 0, 1e-3, 1.0, 1000, tmp_path).train
+        assert (train.features_dir is not None) == train.remember_features
+        return train.remember_features and Path(train.features_dir) == FEATURE_STORE
+
+    assert remembers("hiso", "head") and remembers("zofed-averaged-cached", "head")
+    assert not remembers("zofed", "top4")  # the top blocks train: their input changes every step
+    assert not remembers("zofed", "head-top4")
+    assert not remembers("fedavg-lora", "head")  # LoRA trains every block
