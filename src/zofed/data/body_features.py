@@ -79,7 +79,11 @@ class BodyFeatures:
         """The features of the examples `ids` (token ids each); `compute(positions)` gives those of the examples at
         `positions` not seen before (rows x hidden), in that order."""
         keys = [example_key(row) for row in ids]
-        missing = sorted({k: i for i, k in reversed(list(enumerate(keys))) if k not in self.rows}.values())
+        missing, pending = [], set()  # the first position of each unseen key (a batch may repeat an example)
+        for i, key in enumerate(keys):
+            if key not in self.rows and key not in pending:
+                pending.add(key)
+                missing.append(i)
         if missing:
             fresh = compute(missing)
             self._add([keys[i] for i in missing], fresh.detach())
