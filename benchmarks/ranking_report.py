@@ -53,9 +53,25 @@ def judged_row(chosen: dict[str, dict], dataset: str, trainable: str, budget: fl
     return best, tuned[best]
 
 
+def current_finals(rows: list[dict]) -> list[dict]:
+    """The final rows run at the grid point tuning chooses now: a row tuned again on more points may choose another
+    lr, and its finals at the old one then describe a setting no longer chosen (kept in the table, not reported)."""
+    chosen = choices({"rows": dict(enumerate(rows))})
+
+    def current(r: dict) -> bool:
+        c = chosen.get(setting_key(r["dataset"], r["trainable"], r["budget"], r["row"]))
+        return c is None or (r["lr"], r["server_factor"]) == (c["lr"], c["server_factor"])
+
+    return [r for r in rows if r["phase"] == "final" and current(r)]
+
+
 def summary_lines(rows: list[dict]) -> list[str]:
     lines = []
-    finals = [r for r in rows if r["phase"] == "final"]
+    finals = current_finals(rows)
+    stale = sum(r["phase"] == "final" for r in rows) - len(finals)
+    if stale:
+        lines += [f"{stale} final rows were run at a grid point their row's tuning no longer chooses; they stay in "
+                  "ranking.json and are left out below.", ""]
     chosen = choices({"rows": dict(enumerate(rows))})
     for (dataset, alpha, trainable, budget), group in by_setting(finals).items():
         by_row: dict[str, list[dict]] = {}
@@ -166,8 +182,9 @@ def figures(rows: list[dict]) -> list[str]:
     run (validation); returns the markdown that shows them."""
     lines = []
     chosen = choices({"rows": dict(enumerate(rows))})
+    current = {id(r) for r in current_finals(rows)}
     for (dataset, alpha, trainable, budget), same in by_setting(rows).items():
-        finals = [r for r in same if r["phase"] == "final"]
+        finals = [r for r in same if id(r) in current]
         if finals:
             picked, what = finals, "final rows, test subset"
         else:

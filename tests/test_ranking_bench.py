@@ -122,3 +122,20 @@ def test_rows_on_a_frozen_body_share_its_remembered_features_and_others_do_not(t
     assert not remembers("zofed", "top4")  # the top blocks train: their input changes every step
     assert not remembers("zofed", "head-top4")
     assert not remembers("fedavg-lora", "head")  # LoRA trains every block
+
+
+def test_finals_at_a_point_tuning_no_longer_chooses_are_left_out():
+    from ranking_report import current_finals, summary_lines
+
+    def row(phase: str, lr: float, seed: int, final: float) -> dict:
+        return {**_row("fedkseed", seed, final, [(0, 0.6), (1000, final)]), "phase": phase, "lr": lr,
+                "server_factor": 1.0, "dataset": "agnews", "alpha": 0.1, "trainable": "head", "budget": 1000.0,
+                "rounds": 25}
+
+    rows = [row("tune", 3e-4, 0, 0.72), row("final", 3e-4, 0, 0.70), row("final", 3e-4, 1, 0.71)]
+    assert current_finals(rows) == rows[1:]
+    rows += [row("tune", 1e-4, 0, 0.73), row("final", 1e-4, 0, 0.75)]  # tuned again: 1e-4 is chosen now
+    assert current_finals(rows) == rows[-1:]
+    text = "\n".join(summary_lines(rows))
+    assert "2 final rows were run at a grid point their row's tuning no longer chooses" in text
+    assert "| fedkseed | 1 | 0.7500 ± n/a |" in text
