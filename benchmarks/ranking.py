@@ -58,6 +58,7 @@ from row_pool import record_rows, run_rows
 
 from zofed.data.builtin import shared_data_dir
 from zofed.data.partition import client_splits
+from zofed.data.tasks import by_length
 from zofed.fl.methods import get_method
 from zofed.run.checkpoint import find_checkpoint
 from zofed.run.config import load_config
@@ -104,8 +105,8 @@ def warm_features(pending: list[tuple], threads: int) -> None:
         setup = build(config)
         splits = client_splits(setup.train_data, config.federation.partition)
         clients = np.unique(np.concatenate([np.concatenate([s.train, s.test]) for s in splits]))
-        for name, data, order in [("evaluated split", setup.test, np.arange(len(setup.test))),
-                                  ("clients' examples", setup.train, clients)]:
+        for name, data, order in [("evaluated split", setup.test, by_length(setup.test)),
+                                  ("clients' examples", setup.train, by_length(setup.train, clients))]:
             for start in range(0, len(order), WARM_CHUNK):
                 setup.task.remembered_features(data, order[start:start + WARM_CHUNK], config.train.eval_batch_size)
                 setup.task.save_remembered()  # a chunk at a time: an interrupted warm-up keeps what it ran

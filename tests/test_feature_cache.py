@@ -9,6 +9,7 @@ import torch
 from toy_federation import tiny_federated_config, toy_context
 
 from zofed.data.body_features import BodyFeatures, fingerprint
+from zofed.data.tasks import Encoded
 from zofed.models.selection import TrainableConfig, select_trainable
 from zofed.run.config import ConfigError
 from zofed.run.federated import run_federated
@@ -33,6 +34,13 @@ def test_the_loss_on_cached_features_is_the_full_forward_loss():
     rows = np.arange(5, 29)  # three batches of 8, with prompts of several lengths
     features = ctx.task.last_features(cache, ctx.train, rows, batch_size=8)
     assert features.shape == (24, model.config.hidden_size)
+    # batches run by length: each row must still come back in its example's place
+    ragged = Encoded([ids[i % 3:] for i, ids in enumerate(ctx.train.input_ids)], ctx.train.labels)
+    together = ctx.task.last_features(cache, ragged, rows, batch_size=8)
+    for k in (0, 7, 10, 23):
+        alone = ctx.task.last_features(cache, ragged, rows[k:k + 1], batch_size=8)[0]
+        assert torch.allclose(together[k], alone, atol=1e-5)
+    assert not torch.allclose(together[0], together[1], atol=1e-3)
     labels = torch.as_tensor(ctx.train.labels[rows])
     shift = torch.tensor([0.4, -0.9])
     full = ctx.task.loss(model, ctx.task.collate(ctx.train, rows), shift)
