@@ -70,10 +70,23 @@ def test_the_targets_are_judged_on_the_zofed_variant_validation_chose():
     # the baseline is the published one (no lever), never the row given zofed's engine
     assert "best ZO baseline here is hiso (subset accuracy 0.7500" in text
     assert "zofed-features-cached reaches hiso's final subset accuracy at 0.30 of hiso's 1,000 passes" in text
-    assert "zofed-features-cached minus hiso, paired over seeds [0, 1]: +5.00 points" in text
+    assert "zofed-features-cached minus hiso (the baseline with the best final accuracy), paired over seeds [0, 1]: " \
+           "+5.00 points" in text
     del by_row["hiso"]
     assert "No published ZO baseline" in "\n".join(comparison_lines(by_row, "zofed-features-cached"))
     assert "zofed has no final rows here yet" in "\n".join(comparison_lines(by_row))
+
+
+def test_the_margin_is_judged_against_the_best_final_accuracy_not_the_highest_curve_end():
+    mine = [_row("zofed", s, f, [(0, 0.6), (100, 0.8), (1000, 0.82)]) for s, f in enumerate([0.83, 0.84, 0.83])]
+    # hiso's curve ends highest on the watched subset, fedkseed tests better on the whole split
+    hiso = [_row("hiso", s, f, [(0, 0.6), (1000, 0.76)]) for s, f in enumerate([0.77, 0.78, 0.77])]
+    fedkseed = [_row("fedkseed", s, f, [(0, 0.6), (1000, 0.75)]) for s, f in enumerate([0.80, 0.82, 0.81])]
+    text = "\n".join(comparison_lines({"zofed": mine, "hiso": hiso, "fedkseed": fedkseed}))
+    assert "best ZO baseline here is hiso (subset accuracy 0.7600" in text
+    assert "zofed minus fedkseed (the baseline with the best final accuracy), paired over seeds [0, 1, 2]: " \
+           "+2.33 points" in text
+    assert "FedAvg with LoRA: final rows on 0 of zofed's 3 seeds here; within 3 points: not judged yet" in text
 
 
 def test_a_zofed_variant_is_paired_with_the_baseline_given_its_lever_and_with_fedavg():
