@@ -139,10 +139,13 @@ def comparison_lines(by_row: dict[str, list[dict]], zofed: str = "zofed",
     met = "met" if len(seeds) >= TARGET_SEEDS else f"met on {len(seeds)} of the {TARGET_SEEDS} seeds so far"
     hits = [reached(mine[s]["curve"], target) for s in seeds]
     spent = float(np.mean([theirs[s]["forward_passes"] for s in seeds]))
+    zero_shot = float(np.mean([theirs[s]["curve"][0][3] for s in seeds]))
     if all(h is not None for h in hits):
         share = float(np.mean(hits)) / spent
         lines.append(f"- Half the compute: {zofed} reaches {best}'s final subset accuracy at {share:.2f} of {best}'s "
-                     f"{spent:,.0f} passes on average: " + (met if share <= 0.5 else f"missed by {share - 0.5:.2f}"))
+                     f"{spent:,.0f} passes on average: " + (met if share <= 0.5 else f"missed by {share - 0.5:.2f}")
+                     + (f" (an empty bar: {best} ends at or below the zero-shot subset accuracy, {zero_shot:.4f})"
+                        if target <= zero_shot + 1e-9 else ""))
     else:
         lines.append(f"- Half the compute: missed, {sum(h is None for h in hits)} of {zofed}'s {len(hits)} seeds never "
                      f"reach {best}'s final subset accuracy")

@@ -87,6 +87,11 @@ def test_the_margin_is_judged_against_the_best_final_accuracy_not_the_highest_cu
     assert "zofed minus fedkseed (the baseline with the best final accuracy), paired over seeds [0, 1, 2]: " \
            "+2.33 points" in text
     assert "FedAvg with LoRA: final rows on 0 of zofed's 3 seeds here; within 3 points: not judged yet" in text
+    assert "an empty bar" not in text
+    for r in hiso + fedkseed:  # baselines that end no higher than they started: reaching them says nothing
+        r["curve"] = [[0, 0.0, 0, 0.77], [1000, 0.0, 1, 0.76]]
+    text = "\n".join(comparison_lines({"zofed": mine, "hiso": hiso, "fedkseed": fedkseed}))
+    assert "(an empty bar: hiso ends at or below the zero-shot subset accuracy, 0.7700)" in text
 
 
 def test_a_zofed_variant_is_paired_with_the_baseline_given_its_lever_and_with_fedavg():
