@@ -165,8 +165,8 @@ def body_memo(config: FinetuneConfig, model: torch.nn.Module, trainable: Trainab
               cache: PrefixCache | None) -> BodyFeatures | None:
     """The frozen body's remembered features: for every loss with train.remember_features, else for evaluations
     when the prefix cache splits at the final norm (every block frozen); None when the body may train."""
+    whole = frozen_body(model, trainable) if config.task.type == "prompt-classification" else None
     if config.train.remember_features:
-        whole = frozen_body(model, trainable) if config.task.type == "prompt-classification" else None
         if whole is None:
             raise ConfigError("train.remember_features needs a prompt-classification task on a decoder whose body is "
                               "frozen (only the label head or the final norm trains: trainable.mode=none with "
@@ -174,9 +174,8 @@ def body_memo(config: FinetuneConfig, model: torch.nn.Module, trainable: Trainab
         store = config.train.features_dir
         return BodyFeatures(whole, None if store is None else Path(store),
                             None if store is None else fingerprint(model, trainable.names))
-    if cache is not None and cache.start == len(cache.layers):
-        return BodyFeatures(cache)
-    return None
+    # evaluations only, under the same test of a frozen body (a trained tied output embedding is not frozen)
+    return BodyFeatures(cache) if cache is not None and whole is not None else None
 
 
 def frozen_body(model: torch.nn.Module, trainable: TrainableParams) -> PrefixCache | None:
