@@ -12,9 +12,10 @@ Protocol (the learning-speed issue's Part 1):
   baseline, so a reader sees how much of a margin is the method and how much the engine.
 - Federation: 50 clients under Dirichlet label skew (each client's label mix ~ Dir(alpha), equal sizes: the
   partition scheme dirichlet-mix), 5 a round, 4 local steps of batch 8.
-- Tuning (`--phase tune`): every method on the same small grid (client lr x server lr factor), one seed, alpha 0.1,
-  scored on a seeded validation split carved from the training data (data.evaluate_on: validation); the choice of
-  each (dataset, method) and the grid are stored beside the rows.
+- Tuning (`--phase tune`): every method on the same small grid (client lr x server lr factor), alpha 0.1, one
+  seed or several (`--seeds`: a grid point's score is its mean over them), scored on a seeded validation split
+  carved from the training data (data.evaluate_on: validation); the choice of each (dataset, method) and the
+  grid are stored beside the rows.
 - Final rows (`--phase final`): the chosen settings, scored on the test split (curves on a fixed 300-example test
   subset, the final accuracy on the whole split), several seeds.
 - Report: mean and spread per method, each method's compute to reach the best ZO baseline's final subset
@@ -177,7 +178,7 @@ def main() -> None:
         for row in args.rows:
             if args.phase == "tune":
                 points = grid(row, args.grid_lrs, args.grid_factors)
-                seeds, alphas = [args.seeds[0]], [0.1]
+                seeds, alphas = args.seeds, [0.1]
             else:
                 key = setting_key(dataset, args.trainable, args.budget, row)
                 if key not in chosen:

@@ -251,12 +251,13 @@ def write_report(table: dict) -> None:
              "Reproduce: `.venv/bin/python benchmarks/ranking.py --phase tune`, then `--phase final`.", "",
              "Trainable sets: " + "; ".join(f"`{k}`: {' '.join(v[0])}" for k, v in TRAINABLE.items()) + ".", "",
              "## Tuning choices", "", "| dataset | trainable | budget | row | client lr | server lr factor "
-             "| validation accuracy | grid points run (client lr, server factor) |", "|" + "---|" * 8]
+             "| validation accuracy | seeds | grid points run (client lr, server factor) |", "|" + "---|" * 9]
     for key, c in sorted(choices(table).items()):
         dataset, trainable, budget, row = key.split("|")
         lines.append(f"| {dataset} | {trainable} | {budget} | {row} | {c['lr']:g} | {c['server_factor']:g} "
-                     f"| {c['validation_accuracy']:.4f} | {', '.join(c['tried'])} |")
+                     f"| {c['validation_accuracy']:.4f} | {c['seeds']} | {', '.join(c['tried'])} |")
     lines += ["", f"The full grid: client lr {CLIENT_LRS} and server lr factors {SERVER_FACTORS} (first-order rows: "
-              "1); a row tuned on fewer points says so in its last column.",
+              "1); a row tuned on fewer points says so in its last column. A point's validation accuracy is its "
+              "mean over the seeds it was tuned on; a point tuned on more seeds is preferred to one tuned on fewer.",
               "", "## Final rows", "", *summary_lines(rows), "## Curves", "", *figures(rows)]
     write_atomic_text(RESULTS / "ranking.md", "\n".join(lines) + "\n")

@@ -157,3 +157,19 @@ def test_finals_at_a_point_tuning_no_longer_chooses_are_left_out():
     text = "\n".join(summary_lines(rows))
     assert "2 final rows were run at a grid point their row's tuning no longer chooses" in text
     assert "| fedkseed | 1 | 0.7500 ± n/a |" in text
+
+
+def test_tuning_on_several_seeds_chooses_by_the_mean_and_prefers_points_tuned_on_more_seeds():
+    from ranking_protocol import choices
+
+    def tune(lr: float, seed: int, accuracy: float) -> dict:
+        return {"phase": "tune", "row": "hiso", "dataset": "sst5", "trainable": "head", "budget": 1000.0,
+                "lr": lr, "server_factor": 1.0, "seed": seed, "final_accuracy": accuracy}
+
+    rows = [tune(1e-4, 0, 0.40), tune(1e-4, 1, 0.30), tune(1e-3, 0, 0.36), tune(1e-3, 1, 0.36)]
+    chosen = choices({"rows": dict(enumerate(rows))})["sst5|head|1000|hiso"]
+    assert (chosen["lr"], chosen["seeds"]) == (1e-3, 2)  # 0.36 on average beats seed 0's lucky 0.40
+    assert chosen["validation_accuracy"] == 0.36
+    rows.append(tune(3e-3, 0, 0.50))  # one seed only: not preferred over the points tuned on two
+    chosen = choices({"rows": dict(enumerate(rows))})["sst5|head|1000|hiso"]
+    assert chosen["lr"] == 1e-3 and chosen["tried"] == ["(0.0001, 1)", "(0.001, 1)", "(0.003, 1)"]
