@@ -51,6 +51,8 @@ ROWS: dict[str, tuple[str, bool]] = {
     # the label head on cached features: 16 examples through the model a client round (2 passes), then 24 steps of 8
     # queries on them (192 scalars, under 1 KB), logit-adjusted; twice the rounds of zofed-q48 and 6x the steps
     "zofed-features-cached": ("zofed", True),
+    # and each coordinate's noise scaled by 1 / RMS of the hidden feature it reads (zo.precondition=features)
+    "zofed-shaped-features-cached": ("zofed", True),
     # the demo's settings (configs/federated_demo.yaml): 8 examples a client round (one pass), 12 steps of 8 queries
     # on them, plain averaging on the server and the mean of the second half's iterates released; twice the rounds
     "zofed-averaged-cached": ("zofed", True),
@@ -98,6 +100,7 @@ ROW_OPTIONS = {"zofed-central": [CENTRAL], "zofed-q8": ["zo.queries=8"], "zofed-
                "zofed-adjusted": ["federation.logit_adjust=1.0"], "hiso-adjusted": ["federation.logit_adjust=1.0"],
                "zofed-q48-adjusted": ["zo.queries=48", "federation.logit_adjust=1.0"],
                "zofed-features-cached": FEATURES_CACHED, "hiso-features-cached": FEATURES_CACHED,
+               "zofed-shaped-features-cached": [*FEATURES_CACHED, "zo.precondition=features"],
                "zofed-averaged-cached": FEATURES_AVERAGED, "hiso-averaged-cached": FEATURES_AVERAGED,
                "zofed-shaped-averaged-cached": [*FEATURES_AVERAGED, "zo.precondition=features"],
                "zofed-central-averaged-cached": [*FEATURES_AVERAGED, CENTRAL]}
