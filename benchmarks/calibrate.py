@@ -104,14 +104,14 @@ def row_key(dataset: str, setting: str, lr: float, seed: int, budget: int) -> st
     return f"{dataset}|{setting}|{lr:g}|{seed}|{budget}"
 
 
-FEATURE_STORE = ROOT / "runs" / "feature-store"  # shared with benchmarks/ranking.py: the same body, the same rows
+# remembered body features, one file per model (not committed), shared with benchmarks/ranking.py: on a frozen body
+# each example runs through the model once, and the curves equal recomputing them (tests/test_feature_cache.py)
+FEATURE_STORE = ROOT / "runs" / "feature-store"
+REMEMBER_FEATURES = ["train.remember_features=true", f"train.features_dir={FEATURE_STORE}"]
 
 
 def _config(dataset: str, setting: str, lr: float, seed: int, out: Path) -> FinetuneConfig:
-    # a label-head setting freezes the whole body: each example runs through it once (train.remember_features),
-    # and the curve is the same as recomputing it (tests/test_feature_cache.py)
-    remember = (["train.remember_features=true", f"train.features_dir={FEATURE_STORE}"]
-                if setting.startswith("head-cached") else [])
+    remember = REMEMBER_FEATURES if setting.startswith("head-cached") else []  # the head-only settings
     return load_config(None, [*COMMON, *TASKS[dataset], *SETTINGS[setting], *remember, f"optimizer.lr={lr}",
                               f"data.source=shared:{dataset}", f"train.seed={seed}", f"out_dir={out}"])
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from calibrate import TASKS  # benchmarks/ is the script's own directory, so first on sys.path
+from calibrate import REMEMBER_FEATURES, TASKS  # benchmarks/ is the script's own directory, so first on sys.path
 from ranking_protocol import (
     COMMON,
     HEADLINE,
@@ -68,7 +68,6 @@ from zofed.run.federated_config import FederatedConfig
 from zofed.run.metrics import MetricsLog
 from zofed.run.setup import build
 
-FEATURE_STORE = ROOT / "runs" / "feature-store"  # remembered body features, one file per model (not committed)
 WARM_CHUNK = 1024
 
 
@@ -80,9 +79,8 @@ def _config(phase: str, row: str, trainable: str, dataset: str, alpha: float, se
     first_order = get_method(method).first_order
     default = server_default(row)
     lr_key = "federation.first_order_lr" if first_order else "optimizer.lr"
-    # a frozen body: the simulation runs each example through it once, for every row and seed (FEATURE_STORE)
-    remember = (["train.remember_features=true", f"train.features_dir={FEATURE_STORE}"]
-                if TRAINABLE[trainable][1] == 0.0 and not first_order else [])
+    # a frozen body: the simulation runs each example through it once, for every row and seed (REMEMBER_FEATURES)
+    remember = REMEMBER_FEATURES if TRAINABLE[trainable][1] == 0.0 and not first_order else []
     return load_config(None, [
         *COMMON, *TASKS[dataset], *overrides, *remember, f"federation.method={method}", f"{lr_key}={lr}",
         f"federation.server_optimizer.name={default.name}", f"federation.server_optimizer.lr={default.lr * factor}",

@@ -86,6 +86,7 @@ FEATURES_CACHED = ["federation.feature_cache=16", "federation.local_steps=24", "
 # one pass a client round, tail averaging: what reached the demo's target on the tweets (docs/method.md)
 FEATURES_AVERAGED = ["federation.feature_cache=8", "federation.local_steps=12", "zo.queries=8",
                      "federation.logit_adjust=1.0", "federation.average_from=0.5"]
+SHAPED = "zo.precondition=features"
 ROW_OPTIONS = {"zofed-central": [CENTRAL], "zofed-q8": ["zo.queries=8"], "zofed-q48": ["zo.queries=48"],
                "zofed-cosine": ["federation.server_optimizer.decay=cosine"],
                "zofed-avg": ["federation.average_from=0.5"],
@@ -95,19 +96,19 @@ ROW_OPTIONS = {"zofed-central": [CENTRAL], "zofed-q8": ["zo.queries=8"], "zofed-
                "zofed-cosine-tensor": [CENTRAL, TENSORWISE, "federation.server_optimizer.decay=cosine"],
                "zofed-beta1-0.5": [CENTRAL, "federation.server_optimizer.beta1=0.5"],
                "zofed-beta1-ramp": [CENTRAL, "federation.server_optimizer.beta1_start=0.5"],
-               "zofed-features": [CENTRAL, "zo.precondition=features"],
-               "zofed-shaped": ["zo.precondition=features"],
+               "zofed-features": [CENTRAL, SHAPED],
+               "zofed-shaped": [SHAPED],
                "zofed-adjusted": ["federation.logit_adjust=1.0"], "hiso-adjusted": ["federation.logit_adjust=1.0"],
                "zofed-q48-adjusted": ["zo.queries=48", "federation.logit_adjust=1.0"],
                "zofed-features-cached": FEATURES_CACHED, "hiso-features-cached": FEATURES_CACHED,
-               "zofed-shaped-features-cached": [*FEATURES_CACHED, "zo.precondition=features"],
+               "zofed-shaped-features-cached": [*FEATURES_CACHED, SHAPED],
                "zofed-averaged-cached": FEATURES_AVERAGED, "hiso-averaged-cached": FEATURES_AVERAGED,
-               "zofed-shaped-averaged-cached": [*FEATURES_AVERAGED, "zo.precondition=features"],
+               "zofed-shaped-averaged-cached": [*FEATURES_AVERAGED, SHAPED],
                "zofed-central-averaged-cached": [*FEATURES_AVERAGED, CENTRAL]}
 # Rows whose server optimizer is not their method's default; the tuning grid's server factor scales its lr.
-ROW_SERVER = {"zofed-averaged-cached": ServerDefault("sgd", 1.0),
-              "zofed-shaped-averaged-cached": ServerDefault("sgd", 1.0),
-              "zofed-central-averaged-cached": ServerDefault("sgd", 1.0)}
+PLAIN_AVERAGING = ServerDefault("sgd", 1.0)
+ROW_SERVER = {row: PLAIN_AVERAGING for row in ["zofed-averaged-cached", "zofed-shaped-averaged-cached",
+                                               "zofed-central-averaged-cached"]}
 
 
 def server_default(row: str) -> ServerDefault:

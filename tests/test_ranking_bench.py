@@ -129,7 +129,8 @@ def test_a_row_can_run_another_server_optimizer_than_its_method_default(tmp_path
 
 
 def test_rows_on_a_frozen_body_share_its_remembered_features_and_others_do_not(tmp_path):
-    from ranking import FEATURE_STORE, _config  # noqa: PLC0415
+    from calibrate import FEATURE_STORE  # noqa: PLC0415
+    from ranking import _config  # noqa: PLC0415
 
     def remembers(row: str, trainable: str) -> bool:
         train = _config("final", row, trainable, "agnews", 0.1, 0, 1e-3, 1.0, 1000, tmp_path).train

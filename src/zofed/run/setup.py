@@ -165,6 +165,8 @@ def body_memo(config: FinetuneConfig, model: torch.nn.Module, trainable: Trainab
               cache: PrefixCache | None) -> BodyFeatures | None:
     """The frozen body's remembered features: for every loss with train.remember_features, else for evaluations
     when the prefix cache splits at the final norm (every block frozen); None when the body may train."""
+    if cache is None and not config.train.remember_features:
+        return None  # nothing to remember features for
     whole = frozen_body(model, trainable) if config.task.type == "prompt-classification" else None
     if config.train.remember_features:
         if whole is None:
