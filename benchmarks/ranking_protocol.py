@@ -53,6 +53,9 @@ ROWS: dict[str, tuple[str, bool]] = {
     "zofed-features-cached": ("zofed", True),
     # and each coordinate's noise scaled by 1 / RMS of the hidden feature it reads (zo.precondition=features)
     "zofed-shaped-features-cached": ("zofed", True),
+    # zofed-features-cached with one tensor per class's row (trainable.label_head_per_class): zofed's block
+    # sampling, a single block on the one-tensor head, then chooses each step's class row from the client's own pi
+    "zofed-perclass-features-cached": ("zofed", True),
     # the demo's settings (configs/federated_demo.yaml): 8 examples a client round (one pass), 12 steps of 8 queries
     # on them, plain averaging on the server and the mean of the second half's iterates released; twice the rounds
     "zofed-averaged-cached": ("zofed", True),
@@ -62,6 +65,8 @@ ROWS: dict[str, tuple[str, bool]] = {
     # and central two-point queries: on the head a perturbed pass runs only the output rows, so the one-sided
     # estimate zofed takes with several queries saves no pass there
     "zofed-central-averaged-cached": ("zofed", True),
+    # and one tensor per class's row, as zofed-perclass-features-cached
+    "zofed-perclass-averaged-cached": ("zofed", True),
     "hiso": ("hiso", False),
     "fedkseed": ("fedkseed", False),
     "decomfl": ("decomfl", False),
@@ -87,6 +92,7 @@ FEATURES_CACHED = ["federation.feature_cache=16", "federation.local_steps=24", "
 FEATURES_AVERAGED = ["federation.feature_cache=8", "federation.local_steps=12", "zo.queries=8",
                      "federation.logit_adjust=1.0", "federation.average_from=0.5"]
 SHAPED = "zo.precondition=features"
+PER_CLASS = "trainable.label_head_per_class=true"
 ROW_OPTIONS = {"zofed-central": [CENTRAL], "zofed-q8": ["zo.queries=8"], "zofed-q48": ["zo.queries=48"],
                "zofed-cosine": ["federation.server_optimizer.decay=cosine"],
                "zofed-avg": ["federation.average_from=0.5"],
@@ -102,13 +108,15 @@ ROW_OPTIONS = {"zofed-central": [CENTRAL], "zofed-q8": ["zo.queries=8"], "zofed-
                "zofed-q48-adjusted": ["zo.queries=48", "federation.logit_adjust=1.0"],
                "zofed-features-cached": FEATURES_CACHED, "hiso-features-cached": FEATURES_CACHED,
                "zofed-shaped-features-cached": [*FEATURES_CACHED, SHAPED],
+               "zofed-perclass-features-cached": [*FEATURES_CACHED, PER_CLASS],
+               "zofed-perclass-averaged-cached": [*FEATURES_AVERAGED, PER_CLASS],
                "zofed-averaged-cached": FEATURES_AVERAGED, "hiso-averaged-cached": FEATURES_AVERAGED,
                "zofed-shaped-averaged-cached": [*FEATURES_AVERAGED, SHAPED],
                "zofed-central-averaged-cached": [*FEATURES_AVERAGED, CENTRAL]}
 # Rows whose server optimizer is not their method's default; the tuning grid's server factor scales its lr.
 PLAIN_AVERAGING = ServerDefault("sgd", 1.0)
 ROW_SERVER = {row: PLAIN_AVERAGING for row in ["zofed-averaged-cached", "zofed-shaped-averaged-cached",
-                                               "zofed-central-averaged-cached"]}
+                                               "zofed-central-averaged-cached", "zofed-perclass-averaged-cached"]}
 
 
 def server_default(row: str) -> ServerDefault:

@@ -228,6 +228,9 @@ def same_engine_lines(by_row: dict[str, list[dict]], fedavg: list[dict]) -> list
         method, _, lever = name.partition("-")
         if method != "zofed" or not lever:
             continue
+        # a per-class head changes only what zofed's block sampling chooses among (a baseline perturbs every
+        # tensor each step), so its baseline row is the one with the one-tensor head
+        lever = lever.removeprefix("perclass-")
         others = [(f"{m}-{lever}", by_row[f"{m}-{lever}"]) for m in sorted({ROWS[n][0] for n in ROWS} - {"zofed"})
                   if f"{m}-{lever}" in by_row]
         for label, theirs in [*others, ("fedavg-lora", fedavg)]:

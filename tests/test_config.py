@@ -52,8 +52,8 @@ def test_a_federated_config_refuses_the_centralized_only_keys_it_would_ignore(ov
 
 
 def test_a_dumped_federated_config_loads_again_and_resumes(tmp_path):
-    cfg = load_config(None, ["federation.rounds=3", "train.batch_size=4", f"out_dir={tmp_path}"],
-                      schema=FederatedConfig)
+    cfg = load_config(None, ["federation.recipe=none", "federation.rounds=3", "train.batch_size=4",
+                             f"out_dir={tmp_path}"], schema=FederatedConfig)
     dump_config(cfg, tmp_path / "config.yaml")  # it holds train.steps etc. at their defaults
     stored = load_config(tmp_path / "config.yaml", schema=FederatedConfig)
     assert stored == pinned(cfg) != cfg  # the method's server defaults are written out

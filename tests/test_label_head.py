@@ -115,3 +115,42 @@ def test_a_head_for_an_encoder_task_is_a_config_error(tiny_workspace, tmp_path):
                                    "task.type=causal-lm")
     with pytest.raises(ConfigError, match="label_head"):
         run_federated(config, show_progress=False)
+
+
+def test_a_per_class_head_is_one_block_a_class_with_the_same_logits(tiny_workspace, tmp_path):
+    from zofed.fl.personal import tensor_blocks
+    from zofed.run.federated import run_federated
+    from zofed.run.setup import load_run
+
+    _, one_model, _, task, batch = _toy()
+    tiny = tiny_causal_lm(seed=0, num_layers=3)
+    task.attach_label_head(tiny.model, per_class=True)
+    model, trainable = select_trainable(tiny.model, TrainableConfig(mode="none", label_head=True,
+                                                                    label_head_per_class=True))
+    assert trainable.names == [f"{LABEL_HEAD}.0", f"{LABEL_HEAD}.1"]
+    assert [p.shape for p in trainable.params] == [(model.config.hidden_size,)] * 2
+    assert torch.equal(task.logits(model, batch), task.logits(one_model, batch))  # both start at zero-shot
+    assert tensor_blocks(trainable.params).tolist() == [0, 1]  # zofed's sampling chooses among the classes
+    with pytest.raises(ValueError, match="label_head=true"):
+        TrainableConfig(label_head_per_class=True)
+
+    out = tmp_path / "run"
+    run_federated(tiny_federated_config(tiny_workspace, out, "trainable.mode=none", "trainable.label_head=true",
+                                        "trainable.label_head_per_class=true", "optimizer.lr=0.01"))
+    final = load_file(str(out / "final" / "trainable.safetensors"))
+    assert sorted(final) == [f"{LABEL_HEAD}.0", f"{LABEL_HEAD}.1"]
+    setup = load_run(out)
+    start = setup.model.get_output_embeddings().weight[setup.task.label_token_ids]
+    assert all(not torch.equal(final[f"{LABEL_HEAD}.{k}"], start[k]) for k in range(2))  # both rows moved
+    from transformers import AutoModelForCausalLM
+
+    from zofed.run.export import export_run
+
+    export_run(out, tmp_path / "hf")  # the rows fold back into one untied output embedding
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    test = setup.task.collate(setup.test, list(range(8)))
+    with torch.no_grad():
+        logits = plain(input_ids=test.input_ids, attention_mask=test.attention_mask).logits
+    last = test.attention_mask.sum(1) - 1
+    words = logits[torch.arange(len(last)), last][:, setup.task.label_token_ids]
+    assert torch.allclose(words, setup.task.logits(setup.model, test), atol=1e-5)

@@ -125,8 +125,9 @@ def run(
     try:
         cfg = load_config(config, overrides, schema=FederatedConfig)
         fed = cfg.federation
-        console.print(f"[bold]zofed run[/] method={fed.method} model={cfg.model.name} data={cfg.data.source} "
-                      f"clients={fed.partition.num_clients} ({fed.partition.scheme}) rounds={fed.rounds} "
+        console.print(f"[bold]zofed run[/] method={fed.method} recipe={fed.recipe} model={cfg.model.name} "
+                      f"data={cfg.data.source} trainable={_trainable(cfg)} clients={fed.partition.num_clients} "
+                      f"({fed.partition.scheme}) rounds={fed.rounds} "
                       f"backend={backend.value} -> {cfg.out_dir}")
         if backend is Backend.flower:
             results = _run_on_flower(cfg, resume)
@@ -139,6 +140,11 @@ def run(
         f"eval_{metric}_start", f"eval_{metric}_final", f"client_{metric}_mean", f"client_{metric}_worst10",
         "bytes_up_per_client_round", "bytes_down_per_client_round", "forward_passes", "rejected_uplinks")))
     console.print(f"run directory: {cfg.out_dir} (metrics.jsonl/.csv, partition.png, results.json)")
+
+
+def _trainable(cfg) -> str:
+    mode, head = cfg.trainable.mode, cfg.trainable.label_head
+    return "label-head" if mode == "none" and head else mode + "+label-head" * head
 
 
 def _run_on_flower(cfg, resume: bool) -> dict:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from zofed.data.sources import DataError, TextDataset
-from zofed.models.selection import LABEL_HEAD
+from zofed.models.selection import LABEL_HEAD, label_head_rows
 
 if TYPE_CHECKING:
     from zofed.data.body_features import BodyFeatures
@@ -297,14 +297,19 @@ class PromptClassification(Task):
         if self._body is not None:
             self._body.save()
 
-    def attach_label_head(self, model: torch.nn.Module) -> None:
+    def attach_label_head(self, model: torch.nn.Module, per_class: bool = False) -> None:
         """Give the model its own copy of the label words' output rows (classes x hidden), which the logits then
         read instead of the output embedding: a trainable head that starts as the zero-shot classifier. The copy
-        leaves a tied input embedding alone, and it is tiny (classes x 576 values on SmolLM2), so ZO moves it fast."""
+        leaves a tied input embedding alone, and it is tiny (classes x 576 values on SmolLM2), so ZO moves it fast.
+        `per_class` makes each class's row a tensor of its own (`label_head.0`, ...)."""
         lm = unwrap(model)
         weight = lm.get_output_embeddings().weight
         rows = weight[self.label_token_ids.to(weight.device)].detach().clone().float()
-        lm.register_parameter(LABEL_HEAD, torch.nn.Parameter(rows.contiguous(), requires_grad=False))
+        if per_class:
+            lm.register_module(LABEL_HEAD, torch.nn.ParameterList(
+                [torch.nn.Parameter(row.contiguous(), requires_grad=False) for row in rows]))
+        else:
+            lm.register_parameter(LABEL_HEAD, torch.nn.Parameter(rows.contiguous(), requires_grad=False))
 
     def logits(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         if self._body_in_training:
@@ -373,7 +378,7 @@ class PromptClassification(Task):
         """Label-word logits of last-position hidden states (rows x hidden, after the final norm)."""
         lm = unwrap(model)
         head = lm.get_output_embeddings()
-        rows = getattr(lm, LABEL_HEAD, None)
+        rows = label_head_rows(lm)
         ids = self.label_token_ids.to(h.device)
         out = h @ (rows if rows is not None else head.weight[ids]).to(h.dtype).T  # a narrowed head widens here
         if getattr(head, "bias", None) is not None:

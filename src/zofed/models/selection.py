@@ -14,13 +14,29 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from zofed.models.catalog import ModelLoadError
 from zofed.zo.optim import magnitude_masks
 
 SelectionMode = Literal["all", "lora", "patterns", "magnitude", "none"]
 LABEL_HEAD = "label_head"  # the parameter a prompt-classification task attaches to the model (data/tasks.py)
+
+
+def label_head_owner(name: str) -> str | None:
+    """The path of the module holding the label head, when `name` is the head (`label_head`) or one of its
+    per-class rows (`label_head.0`, ...); None for any other parameter."""
+    parts = name.split(".")
+    return ".".join(parts[:parts.index(LABEL_HEAD)]) if LABEL_HEAD in parts else None
+
+
+def label_head_rows(model: torch.nn.Module) -> torch.Tensor | None:
+    """The label head as one (classes, hidden) tensor, whether it is one parameter or one per class; None without one
+    (`model` is the unwrapped language model the task attached it to)."""
+    head = getattr(model, LABEL_HEAD, None)
+    if isinstance(head, torch.nn.ParameterList):
+        return torch.stack(list(head))
+    return head
 
 
 class TrainableConfig(BaseModel):
@@ -32,12 +48,21 @@ class TrainableConfig(BaseModel):
     # prompt-classification: train a copy of the label words' output rows (classes x hidden values), started at
     # the model's own rows, in place of the tied output embedding (data/tasks.py, LABEL_HEAD)
     label_head: bool = False
+    # one tensor per class's row instead of one for the head: zofed's block sampling then chooses among the classes
+    # (a client with few classes perturbs their rows most), where the one-tensor head is a single block
+    label_head_per_class: bool = False
     lora_r: int = Field(8, ge=1)
     lora_alpha: int = Field(16, ge=1)
     lora_targets: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"])
     init_seed: int = 0  # seeds LoRA's and a new classifier head's random init: every party and rerun starts alike
     magnitude_fraction: float = Field(0.1, gt=0.0, le=1.0)
     magnitude_keep: Literal["largest", "smallest"] = "largest"
+
+    @model_validator(mode="after")
+    def _per_class_needs_a_head(self) -> TrainableConfig:
+        if self.label_head_per_class and not self.label_head:
+            raise ValueError("trainable.label_head_per_class splits the label head: set trainable.label_head=true")
+        return self
 
 
 @dataclass
@@ -121,7 +146,7 @@ def select_trainable(model: torch.nn.Module, config: TrainableConfig) -> tuple[t
     names = {n for n, _ in selected}
     selected += [(n, p) for n, p in _matching(model, config.also_train, "trainable.also_train") if n not in names]
     if config.label_head:
-        heads = [(n, p) for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] == LABEL_HEAD]
+        heads = [(n, p) for n, p in model.named_parameters() if label_head_owner(n) is not None]
         if not heads:
             raise ModelLoadError("trainable.label_head needs a task.type prompt-classification task (it trains the "
                                  "verbalizer's output rows); an encoder's classifier is trained with "

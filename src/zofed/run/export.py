@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from zofed.data.tasks import PromptClassification, unwrap
-from zofed.models.selection import LABEL_HEAD
+from zofed.models.selection import LABEL_HEAD, label_head_rows
 from zofed.run.config import ConfigError
 from zofed.run.setup import Setup, load_run
 
@@ -63,7 +63,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, merge: bool = False) -> 
 def _fold_label_head(setup: Setup) -> None:
     """Move a trained label head into the output embedding's label rows, on an untied copy of that embedding."""
     lm = unwrap(setup.model)
-    rows = getattr(lm, LABEL_HEAD, None)
+    rows = label_head_rows(lm)
     if rows is None:
         return
     if not isinstance(setup.task, PromptClassification):  # build() only attaches it to such a task
@@ -75,4 +75,7 @@ def _fold_label_head(setup: Setup) -> None:
     lm.config.tie_word_embeddings = False
     if hasattr(lm.config, "get_text_config"):  # nested configs keep their own copy of the flag
         lm.config.get_text_config().tie_word_embeddings = False
-    del lm._parameters[LABEL_HEAD]
+    if LABEL_HEAD in lm._modules:  # one tensor per class
+        del lm._modules[LABEL_HEAD]
+    else:
+        del lm._parameters[LABEL_HEAD]

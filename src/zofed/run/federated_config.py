@@ -15,6 +15,7 @@ from zofed.fl.attacks import AttackKind
 from zofed.fl.methods import get_method
 from zofed.fl.server_opt import SERVER_OPTIMIZERS, ServerOptimizer, make_server_optimizer
 from zofed.run.config import ConfigError, FinetuneConfig, _Section
+from zofed.run.recipes import Recipe, apply_recipe
 
 
 class ServerOptimizerSection(_Section):
@@ -77,6 +78,10 @@ class SamplingSection(_Section):
 
 class FederationSection(_Section):
     method: str = "zofed"  # a registered method (fl/methods/): zofed, zo-seeds, decomfl, fedkseed, fedmezo, ...
+    # zofed's recommended settings filled in where the config leaves them unset (run/recipes.py): auto picks head
+    # (the label head on cached features) for zofed on prompt classification with a decoder when nothing says
+    # what trains; a validated config holds what auto resolved to
+    recipe: Recipe = "auto"
     rounds: int = Field(20, ge=1)
     clients_per_round: int = Field(5, ge=1)
     local_steps: int = Field(10, ge=1)
@@ -229,6 +234,11 @@ class FederatedConfig(FinetuneConfig):
     flower: FlowerSection = Field(default_factory=FlowerSection)
     attack: AttackSection = Field(default_factory=AttackSection)
     out_dir: str = "runs/federated"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _recipe(cls, data: Any) -> Any:
+        return apply_recipe(data) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _seed_median_needs_linear_steps(self) -> FederatedConfig:

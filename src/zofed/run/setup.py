@@ -136,7 +136,7 @@ def build_model(config: FinetuneConfig, num_classes: int | None,
             raise ConfigError(f"trainable.label_head trains the verbalizer's output rows of a prompt-classification "
                               f"task, not of task.type {config.task.type}; an encoder's classifier is trained with "
                               "trainable.also_train")
-        task.attach_label_head(loaded.model)
+        task.attach_label_head(loaded.model, per_class=config.trainable.label_head_per_class)
     model, trainable = select_trainable(loaded.model, config.trainable)
     place_model(model, trainable.params, device, DTYPES[config.model.dtype])
     if trainable.masks is not None:

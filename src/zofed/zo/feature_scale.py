@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from zofed.models.selection import LABEL_HEAD
+from zofed.models.selection import label_head_owner
 
 SEQUENCES, LENGTH, BATCH = 64, 64, 8  # random sequences measured, their length, and how many a pass
 SETUP_PASSES = SEQUENCES // BATCH
@@ -66,11 +66,13 @@ def feature_noise_scales(model: torch.nn.Module, names: Sequence[str],
     hooks = []
     for name in names:
         owner, _, leaf = name.rpartition(".")
-        module = model.get_submodule(owner) if owner else model
-        if leaf == LABEL_HEAD:  # the label words' rows multiply what the output projection reads: the last hidden
-            module = module.get_output_embeddings()
-        elif leaf != "weight" or not (isinstance(module, torch.nn.Linear) or _is_norm(module)):
-            continue
+        head_owner = label_head_owner(name)
+        if head_owner is not None:  # the label words' rows multiply what the output projection reads: the last hidden
+            module = (model.get_submodule(head_owner) if head_owner else model).get_output_embeddings()
+        else:
+            module = model.get_submodule(owner) if owner else model
+            if leaf != "weight" or not (isinstance(module, torch.nn.Linear) or _is_norm(module)):
+                continue
 
         def measure(mod, args, name=name):
             features = _features(mod, args[0].float())

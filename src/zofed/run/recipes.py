@@ -1,0 +1,93 @@
+"""zofed's recommended settings for a federated run, filled in where a config leaves them unset.
+
+The schema's own defaults (run/config.py, run/federated_config.py) serve every task, model and method alike: LoRA,
+one query a step, no cached features. On prompt classification with a decoder, zofed learns far faster training
+only the label head on cached features (docs/method.md, docs/results/ranking.md), so `federation.recipe: auto`
+(the default) fills that recipe in when the config says nothing of what trains: a run with no config at all, or
+one that names only its model, data and federation, gets it. Whatever the config does set wins over the recipe, key
+by key; a config that sets any `trainable` key, another method or another task keeps the schema's defaults.
+`recipe: none` never fills it in, and `recipe: head` fills it whatever the config trains.
+
+A validated config records the recipe it resolved to (head or none) and holds every key explicitly, so a stored
+run config loads again to the same run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from zofed.models.catalog import BUILTIN_MODELS, CAUSAL_LM
+
+Recipe = Literal["auto", "head", "none"]
+
+# The label head on cached features, with plain averaging and tail averaging on the server: what the demo's
+# federation and the ranking protocol's head rows settled on (docs/method.md). A client runs 8 of its examples
+# through the frozen model once a round, then takes 12 steps of 8 one-sided queries on their last hidden states.
+HEAD: dict[str, Any] = {
+    "trainable": {"mode": "none", "label_head": True},
+    "zo": {"queries": 8, "prefix_cache": True},
+    "optimizer": {"lr": 1e-3},
+    "train": {"batch_size": 8},
+    "federation": {"rounds": 90, "local_steps": 12, "feature_cache": 8, "logit_adjust": 1.0, "average_from": 0.5,
+                   "server_optimizer": {"name": "sgd", "lr": 1.0}},
+}
+RECIPES: dict[str, dict[str, Any]] = {"head": HEAD, "none": {}}
+# Sections the recipe fills only as a whole: a config that sets any of their keys chose them itself (a LoRA
+# rank with the head's mode, or the recipe's plain-averaging lr under an adaptive server, would mix two designs).
+WHOLE_SECTIONS = (("trainable",), ("federation", "server_optimizer"))
+
+
+def _get(tree: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    """A nested value of the tree, whose sections may be dicts or already-built section objects."""
+    node: Any = tree
+    for key in keys:
+        if isinstance(node, dict):
+            if key not in node:
+                return default
+            node = node[key]
+        elif isinstance(node, BaseModel) and key in type(node).model_fields:
+            node = getattr(node, key)
+        else:
+            return default
+    return node
+
+
+def auto_recipe(tree: dict[str, Any]) -> str:
+    """The recipe `auto` resolves to for this (unvalidated) config tree: head for zofed on prompt classification
+    with a built-in decoder or a `model.kind: causal-lm`, and trainable left unset; else none."""
+    name, kind = _get(tree, "model", "name", default="smollm2-135m"), _get(tree, "model", "kind")
+    decoder = kind == CAUSAL_LM or (kind is None and name in BUILTIN_MODELS and BUILTIN_MODELS[name].kind == CAUSAL_LM)
+    if (decoder and "trainable" not in tree
+            and _get(tree, "task", "type", default="prompt-classification") == "prompt-classification"
+            and _get(tree, "federation", "method", default="zofed") == "zofed"
+            and _get(tree, "optimizer", "name", default="mezo") == "mezo"):
+        return "head"
+    return "none"
+
+
+def _fill(tree: dict[str, Any], recipe: dict[str, Any], path: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`tree` with the recipe's keys it lacks; a whole section of WHOLE_SECTIONS only when the tree has none of it."""
+    filled = dict(tree)
+    for key, value in recipe.items():
+        here = (*path, key)
+        if key not in filled:
+            filled[key] = value
+        elif isinstance(value, dict) and isinstance(filled[key], dict) and here not in WHOLE_SECTIONS:
+            filled[key] = _fill(filled[key], value, here)
+    return filled
+
+
+def apply_recipe(tree: dict[str, Any]) -> dict[str, Any]:
+    """The config tree with `federation.recipe` resolved (auto to head or none) and that recipe's settings filled
+    in where the tree leaves them unset."""
+    chosen = _get(tree, "federation", "recipe", default="auto")
+    if chosen not in ("auto", *RECIPES):
+        return tree  # validation names the bad value
+    name = auto_recipe(tree) if chosen == "auto" else chosen
+    filled = _fill(tree, RECIPES[name])
+    federation = filled.get("federation", {})
+    if isinstance(federation, dict):
+        filled["federation"] = {**federation, "recipe": name}
+    return filled

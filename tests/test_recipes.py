@@ -1,0 +1,75 @@
+"""zofed's recommended settings (run/recipes.py): what `zofed run` gets without a config, what a config keeps, and
+that a run with no trainable set given really trains the label head on cached features."""
+
+import json
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from zofed.cli import app
+from zofed.run.config import ConfigError, load_config
+from zofed.run.federated_config import FederatedConfig
+from zofed.run.recipes import HEAD
+
+
+def _load(*overrides: str) -> FederatedConfig:
+    return load_config(None, list(overrides), schema=FederatedConfig)
+
+
+def test_no_config_gets_the_head_recipe_and_a_stored_config_loads_back_the_same():
+    cfg = _load()
+    assert cfg.federation.recipe == "head"
+    assert (cfg.trainable.mode, cfg.trainable.label_head) == ("none", True)
+    assert (cfg.zo.queries, cfg.zo.prefix_cache, cfg.optimizer.lr, cfg.train.batch_size) == (8, True, 1e-3, 8)
+    fed = cfg.federation
+    assert (fed.rounds, fed.local_steps, fed.feature_cache, fed.logit_adjust, fed.average_from) == \
+        (HEAD["federation"]["rounds"], 12, 8, 1.0, 0.5)
+    assert (fed.server_optimizer.name, fed.server_optimizer.lr) == ("sgd", 1.0)
+    assert FederatedConfig.model_validate(yaml.safe_load(yaml.safe_dump(cfg.model_dump()))) == cfg
+
+
+def test_the_config_wins_key_by_key_and_whole_sections_stay_the_users():
+    cfg = _load("zo.queries=4", "federation.rounds=7")
+    assert (cfg.federation.recipe, cfg.zo.queries, cfg.federation.rounds, cfg.federation.feature_cache) == \
+        ("head", 4, 7, 8)
+    # an adaptive server with no lr takes the method's default lr, not plain averaging's 1.0
+    adam = _load("federation.server_optimizer.name=adam").federation.server_optimizer
+    assert (adam.name, adam.lr) == ("adam", None)
+
+
+@pytest.mark.parametrize("override", ["trainable.mode=lora", "trainable.label_head=true", "federation.method=fedkseed",
+                                      "optimizer.name=zo-adam", "model.name=minilm-l6", "task.type=causal-lm",
+                                      "federation.recipe=none"])
+def test_a_config_that_chose_otherwise_keeps_the_schema_defaults(override):
+    cfg = _load(override)
+    assert cfg.federation.recipe == "none"
+    assert (cfg.zo.queries, cfg.federation.feature_cache, cfg.federation.average_from) == (1, 0, None)
+
+
+def test_a_local_decoder_gets_the_recipe_once_its_kind_is_known(tiny_workspace):
+    assert _load(f"model.name={tiny_workspace / 'model'}").federation.recipe == "none"
+    assert _load(f"model.name={tiny_workspace / 'model'}", "model.kind=causal-lm").federation.recipe == "head"
+    forced = _load("federation.recipe=head", "trainable.mode=patterns", "trainable.patterns=['norm']")
+    assert (forced.federation.recipe, forced.trainable.mode, forced.zo.queries) == ("head", "patterns", 8)
+    with pytest.raises(ConfigError, match="federation.recipe"):
+        _load("federation.recipe=fast")
+
+
+def test_run_without_a_trainable_set_trains_the_label_head_on_cached_features(tiny_workspace, tmp_path):
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, [
+        "run", "--model", str(tiny_workspace / "model"), "--data", str(tiny_workspace / "train.jsonl"),
+        "--set", f"data.test_source={tiny_workspace / 'test.jsonl'}", "--set", "model.kind=causal-lm",
+        "--set", "task.template=review : {text} . sentiment :", "--set", "task.verbalizer=[negative, positive]",
+        "--set", "data.eval_examples=20", "--set", "federation.partition.num_clients=4",
+        "--set", "federation.clients_per_round=2", "--rounds", "2", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "recipe=head" in result.output
+    results = json.loads((out / "results.json").read_text())
+    # one pass of 8 cached examples a client round (batch 8), then 12 steps of 8 scalars each on the features
+    assert results["forward_passes_per_client_round"] == 1.0
+    assert results["forward_passes"] == 2 * 2
+    stored = yaml.safe_load((out / "config.yaml").read_text())
+    assert stored["federation"]["recipe"] == "head" and stored["trainable"]["label_head"] is True
+    assert 96 * 4 <= results["bytes_up_per_client_round"] < 1024  # 96 float32 scalars and their seeds
