@@ -33,6 +33,9 @@ def test_the_config_wins_key_by_key_and_whole_sections_stay_the_users():
     cfg = _load("zo.queries=4", "federation.rounds=7")
     assert (cfg.federation.recipe, cfg.zo.queries, cfg.federation.rounds, cfg.federation.feature_cache) == \
         ("head", 4, 7, 8)
+    split = _load("trainable.label_head_per_class=true")  # a setting of the recipe's own head keeps the recipe
+    assert (split.federation.recipe, split.trainable.mode, split.trainable.label_head_per_class) == \
+        ("head", "none", True)
     # an adaptive server with no lr takes the method's default lr, not plain averaging's 1.0
     adam = _load("federation.server_optimizer.name=adam").federation.server_optimizer
     assert (adam.name, adam.lr) == ("adam", None)
@@ -50,7 +53,8 @@ def test_a_config_that_chose_otherwise_keeps_the_schema_defaults(override):
 def test_a_local_decoder_gets_the_recipe_once_its_kind_is_known(tiny_workspace):
     assert _load(f"model.name={tiny_workspace / 'model'}").federation.recipe == "none"
     assert _load(f"model.name={tiny_workspace / 'model'}", "model.kind=causal-lm").federation.recipe == "head"
-    forced = _load("federation.recipe=head", "trainable.mode=patterns", "trainable.patterns=['norm']")
+    forced = _load("federation.recipe=head", "trainable.mode=patterns", "trainable.patterns=['norm']",
+                   "trainable.label_head=false")
     assert (forced.federation.recipe, forced.trainable.mode, forced.zo.queries) == ("head", "patterns", 8)
     with pytest.raises(ConfigError, match="federation.recipe"):
         _load("federation.recipe=fast")

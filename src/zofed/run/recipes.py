@@ -3,9 +3,11 @@
 The schema's own defaults (run/config.py, run/federated_config.py) serve every task, model and method alike: LoRA,
 one query a step, no cached features. On prompt classification with a decoder, zofed learns far faster training
 only the label head on cached features (docs/method.md, docs/results/ranking.md), so `federation.recipe: auto`
-(the default) fills that recipe in when the config says nothing of what trains: a run with no config at all, or
-one that names only its model, data and federation, gets it. Whatever the config does set wins over the recipe, key
-by key; a config that sets any `trainable` key, another method or another task keeps the schema's defaults.
+(the default) fills that recipe in when the config says nothing of what trains (no `trainable.mode`, no
+`trainable.label_head`): a run with no config at all, or one that names only its model, data and federation, gets
+it. Whatever the config does set wins over the recipe, key by key (`trainable.label_head_per_class: true` alone
+keeps the recipe and splits its head); a config that chooses what trains, another method or another task keeps the
+schema's defaults.
 `recipe: none` never fills it in, and `recipe: head` fills it whatever the config trains.
 
 A validated config records the recipe it resolved to (head or none) and holds every key explicitly, so a stored
@@ -34,9 +36,9 @@ HEAD: dict[str, Any] = {
                    "server_optimizer": {"name": "sgd", "lr": 1.0}},
 }
 RECIPES: dict[str, dict[str, Any]] = {"head": HEAD, "none": {}}
-# Sections the recipe fills only as a whole: a config that sets any of their keys chose them itself (a LoRA
-# rank with the head's mode, or the recipe's plain-averaging lr under an adaptive server, would mix two designs).
-WHOLE_SECTIONS = (("trainable",), ("federation", "server_optimizer"))
+# Sections the recipe fills only as a whole: a config that sets any of their keys chose them itself (the recipe's
+# plain-averaging lr under an adaptive server would mix two designs).
+WHOLE_SECTIONS = (("federation", "server_optimizer"),)
 
 
 def _get(tree: dict[str, Any], *keys: str, default: Any = None) -> Any:
@@ -56,10 +58,12 @@ def _get(tree: dict[str, Any], *keys: str, default: Any = None) -> Any:
 
 def auto_recipe(tree: dict[str, Any]) -> str:
     """The recipe `auto` resolves to for this (unvalidated) config tree: head for zofed on prompt classification
-    with a built-in decoder or a `model.kind: causal-lm`, and trainable left unset; else none."""
+    with a built-in decoder or a `model.kind: causal-lm`, and neither `trainable.mode` nor `trainable.label_head`
+    set; else none."""
     name, kind = _get(tree, "model", "name", default="smollm2-135m"), _get(tree, "model", "kind")
     decoder = kind == CAUSAL_LM or (kind is None and name in BUILTIN_MODELS and BUILTIN_MODELS[name].kind == CAUSAL_LM)
-    if (decoder and "trainable" not in tree
+    chosen = _get(tree, "trainable", "mode") is not None or _get(tree, "trainable", "label_head") is not None
+    if (decoder and not chosen
             and _get(tree, "task", "type", default="prompt-classification") == "prompt-classification"
             and _get(tree, "federation", "method", default="zofed") == "zofed"
             and _get(tree, "optimizer", "name", default="mezo") == "mezo"):
