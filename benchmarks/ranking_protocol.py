@@ -96,7 +96,7 @@ FEATURES_CACHED = ["federation.feature_cache=16", "federation.local_steps=24", "
 FEATURES_AVERAGED = ["federation.feature_cache=8", "federation.local_steps=12", "zo.queries=8",
                      "federation.logit_adjust=1.0", "federation.average_from=0.5"]
 SHAPED = "zo.precondition=features"
-PER_CLASS = "trainable.label_head_per_class=true"
+PER_CLASS = ["trainable.label_head=true", "trainable.label_head_per_class=true"]  # the head, split (on any set)
 ROW_OPTIONS = {"zofed-central": [CENTRAL], "zofed-q8": ["zo.queries=8"], "zofed-q48": ["zo.queries=48"],
                "zofed-cosine": ["federation.server_optimizer.decay=cosine"],
                "zofed-avg": ["federation.average_from=0.5"],
@@ -112,8 +112,8 @@ ROW_OPTIONS = {"zofed-central": [CENTRAL], "zofed-q8": ["zo.queries=8"], "zofed-
                "zofed-q48-adjusted": ["zo.queries=48", "federation.logit_adjust=1.0"],
                "zofed-features-cached": FEATURES_CACHED, "hiso-features-cached": FEATURES_CACHED,
                "zofed-shaped-features-cached": [*FEATURES_CACHED, SHAPED],
-               "zofed-perclass-features-cached": [*FEATURES_CACHED, PER_CLASS],
-               "zofed-perclass-averaged-cached": [*FEATURES_AVERAGED, PER_CLASS],
+               "zofed-perclass-features-cached": [*FEATURES_CACHED, *PER_CLASS],
+               "zofed-perclass-averaged-cached": [*FEATURES_AVERAGED, *PER_CLASS],
                "zofed-averaged-steps24-cached": [*FEATURES_AVERAGED, "federation.local_steps=24"],
                "zofed-averaged-steps48-cached": [*FEATURES_AVERAGED, "federation.local_steps=48"],
                "zofed-averaged-cached": FEATURES_AVERAGED, "hiso-averaged-cached": FEATURES_AVERAGED,

@@ -48,8 +48,8 @@ class TrainableConfig(BaseModel):
     # prompt-classification: train a copy of the label words' output rows (classes x hidden values), started at
     # the model's own rows, in place of the tied output embedding (data/tasks.py, LABEL_HEAD)
     label_head: bool = False
-    # one tensor per class's row instead of one for the head: zofed's block sampling then chooses among the classes
-    # (a client with few classes perturbs their rows most), where the one-tensor head is a single block
+    # one tensor per class's row instead of one for the head: zofed's block sampling then chooses among the classes,
+    # where the one-tensor head is a single block (on SST-5 it did not pay: docs/method.md)
     label_head_per_class: bool = False
     lora_r: int = Field(8, ge=1)
     lora_alpha: int = Field(16, ge=1)
