@@ -168,11 +168,11 @@ class FinetuneConfig(_Section):
         return {**data, "task": {"template": template, "verbalizer": verbalizer, **task}}
 
 
-def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     merged = dict(base)
     for key, value in update.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _deep_merge(merged[key], value)
+            merged[key] = deep_merge(merged[key], value)
         else:
             merged[key] = value
     return merged
@@ -253,7 +253,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections, not {type(loaded).__name__}")
-        tree = _deep_merge(tree, loaded)
+        tree = deep_merge(tree, loaded)
         origin = str(path)
     for key, value in parse_overrides(overrides or [], schema):
         _set_dotted(tree, key, value)

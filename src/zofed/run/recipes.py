@@ -21,6 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from zofed.models.catalog import BUILTIN_MODELS, CAUSAL_LM
+from zofed.run.config import deep_merge
 
 Recipe = Literal["auto", "head", "none"]
 
@@ -37,9 +38,6 @@ HEAD: dict[str, Any] = {
                    "server_optimizer": {"name": "sgd", "lr": 1.0}},
 }
 RECIPES: dict[str, dict[str, Any]] = {"head": HEAD, "none": {}}
-# Sections the recipe fills only as a whole: a config that sets any of their keys chose them itself (the recipe's
-# plain-averaging lr under an adaptive server would mix two designs).
-WHOLE_SECTIONS = (("federation", "server_optimizer"),)
 
 
 def _get(tree: dict[str, Any], *keys: str, default: Any = None) -> Any:
@@ -72,18 +70,6 @@ def auto_recipe(tree: dict[str, Any]) -> str:
     return "none"
 
 
-def _fill(tree: dict[str, Any], recipe: dict[str, Any], path: tuple[str, ...] = ()) -> dict[str, Any]:
-    """`tree` with the recipe's keys it lacks; a whole section of WHOLE_SECTIONS only when the tree has none of it."""
-    filled = dict(tree)
-    for key, value in recipe.items():
-        here = (*path, key)
-        if key not in filled:
-            filled[key] = value
-        elif isinstance(value, dict) and isinstance(filled[key], dict) and here not in WHOLE_SECTIONS:
-            filled[key] = _fill(filled[key], value, here)
-    return filled
-
-
 def apply_recipe(tree: dict[str, Any]) -> dict[str, Any]:
     """The config tree with `federation.recipe` resolved (auto to head or none) and that recipe's settings filled
     in where the tree leaves them unset."""
@@ -91,7 +77,11 @@ def apply_recipe(tree: dict[str, Any]) -> dict[str, Any]:
     if chosen not in ("auto", *RECIPES):
         return tree  # validation names the bad value
     name = auto_recipe(tree) if chosen == "auto" else chosen
-    filled = _fill(tree, RECIPES[name])
+    recipe = RECIPES[name]
+    if _get(tree, "federation", "server_optimizer") is not None and "federation" in recipe:
+        # filled only as a whole: the recipe's plain-averaging lr under another server optimizer would mix two designs
+        recipe = {**recipe, "federation": {k: v for k, v in recipe["federation"].items() if k != "server_optimizer"}}
+    filled = deep_merge(recipe, tree)
     federation = filled.get("federation", {})
     if isinstance(federation, dict):
         filled["federation"] = {**federation, "recipe": name}
