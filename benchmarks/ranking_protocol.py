@@ -71,6 +71,10 @@ ROWS: dict[str, tuple[str, bool]] = {
     # (run/recipes.py), what `zofed run` and the demo run now
     "zofed-averaged-steps24-cached": ("zofed", True),
     "zofed-averaged-steps48-cached": ("zofed", True),  # and 48
+    # zofed-features-cached's 192 scalars spent on more steps of fewer queries: on cached features a step costs no
+    # pass, so the uplink, not compute, caps steps x queries
+    "zofed-features-steps48-q4-cached": ("zofed", True),
+    "zofed-features-steps96-q2-cached": ("zofed", True),
     "hiso": ("hiso", False),
     "fedkseed": ("fedkseed", False),
     "decomfl": ("decomfl", False),
@@ -80,6 +84,7 @@ ROWS: dict[str, tuple[str, bool]] = {
     "hiso-adjusted": ("hiso", False),  # HiSo with zofed's client lever against label skew (logit adjustment)
     "hiso-features-cached": ("hiso", True),  # HiSo with every engine lever of zofed-features-cached
     "hiso-averaged-cached": ("hiso", True),  # and of zofed-averaged-cached (HiSo's server already averages)
+    "hiso-averaged-steps24-cached": ("hiso", True),  # and of zofed's head recipe (24 steps a round)
     "fedkseed-cached": ("fedkseed", True),
     "decomfl-cached": ("decomfl", True),
     "fedavg-lora": ("fedavg", False),  # first-order: LoRA, its own trainable set (the accuracy ceiling)
@@ -116,6 +121,9 @@ ROW_OPTIONS = {"zofed-central": [CENTRAL], "zofed-q8": ["zo.queries=8"], "zofed-
                "zofed-perclass-averaged-cached": [*FEATURES_AVERAGED, *PER_CLASS],
                "zofed-averaged-steps24-cached": [*FEATURES_AVERAGED, "federation.local_steps=24"],
                "zofed-averaged-steps48-cached": [*FEATURES_AVERAGED, "federation.local_steps=48"],
+               "hiso-averaged-steps24-cached": [*FEATURES_AVERAGED, "federation.local_steps=24"],
+               "zofed-features-steps48-q4-cached": [*FEATURES_CACHED, "federation.local_steps=48", "zo.queries=4"],
+               "zofed-features-steps96-q2-cached": [*FEATURES_CACHED, "federation.local_steps=96", "zo.queries=2"],
                "zofed-averaged-cached": FEATURES_AVERAGED, "hiso-averaged-cached": FEATURES_AVERAGED,
                "zofed-shaped-averaged-cached": [*FEATURES_AVERAGED, SHAPED],
                "zofed-central-averaged-cached": [*FEATURES_AVERAGED, CENTRAL]}

@@ -1,8 +1,9 @@
 """Benchmark of zofed's defenses against lying clients, and of what client-level privacy costs.
 
 Protocol: the ranking benchmark's federation (benchmarks/ranking_protocol.py: SmolLM2, 50 clients under Dirichlet
-label skew alpha 0.1, 5 a round, 4 local steps, the top-4 gains with the engine lever, zofed's defaults and its
-tuned lr, the same client compute as the ranking's rows), one seed, the test split. Rows:
+label skew alpha 0.1, 5 a round, the label head, the same client compute as the ranking's rows) running zofed's
+row there, the zofed variant the ranking chose on validation (`--row` for another) at its tuned lr; one seed, the
+test split. Rows:
 
 - `none`: no attack and no defense (the reference);
 - each attack (`sign-flip`, `scale` x100, `random`, `label-flip`, `stale`; fl/attacks.py) at 10% and 20% of the
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 from ranking import _config  # benchmarks/ is the script's own directory, so first on sys.path
 from ranking_protocol import RESULTS, ROOT, choices, setting_key
+from ranking_report import judged_row
 from row_pool import record_rows, run_rows
 
 from zofed.data.builtin import shared_data_dir
@@ -46,11 +48,15 @@ DEFENSES = {"mean": [], "clip": ["clip"], "trimmed-mean": ["federation.aggregato
             "median": ["federation.aggregator=median"], "screen": ["federation.screen_threshold=0.1"]}
 EPSILONS = [1.0, 3.0, 8.0]
 DELTA = 1e-5
-TRAINABLE, BUDGET, ALPHA = "top4", 1000.0, 0.1
+TRAINABLE, BUDGET, ALPHA = "head", 1000.0, 0.1
 
 
-def row_key(dataset: str, attack: str, fraction: float, defense: str, seed: int) -> str:
-    return f"{dataset}|{attack}|{fraction:g}|{defense}|{seed}"
+def row_key(dataset: str, row: str, attack: str, fraction: float, defense: str, seed: int) -> str:
+    return f"{dataset}|{row}|{attack}|{fraction:g}|{defense}|{seed}"
+
+
+def ranking_choices() -> dict[str, dict]:
+    return choices(json.loads((RESULTS / "ranking.json").read_text()))
 
 
 def noise_for_epsilon(epsilon: float, num_clients: int, per_round: int, rounds: int) -> float:
@@ -69,11 +75,13 @@ def honest_clip_norm(run_dir, quantile: float) -> float:
     return float(np.quantile(norms, quantile))
 
 
-def row_config(dataset: str, attack: str, fraction: float, defense: str, seed: int, clip: float | None,
+def row_config(dataset: str, row: str, attack: str, fraction: float, defense: str, seed: int, clip: float | None,
                out) -> FederatedConfig:
-    choice = choices(json.loads((RESULTS / "ranking.json").read_text()))[setting_key(dataset, TRAINABLE, BUDGET,
-                                                                                     "zofed")]
-    base = _config("final", "zofed", TRAINABLE, dataset, ALPHA, seed, choice["lr"], choice["server_factor"], BUDGET,
+    choice = ranking_choices().get(setting_key(dataset, TRAINABLE, BUDGET, row))
+    if choice is None:
+        raise SystemExit(f"{row} was never tuned on {dataset} ({TRAINABLE}, budget {BUDGET:g}): run "
+                         f"benchmarks/ranking.py --phase tune for it first")
+    base = _config("final", row, TRAINABLE, dataset, ALPHA, seed, choice["lr"], choice["server_factor"], BUDGET,
                    out)
     extra = [f"attack.kind={attack}", f"attack.fraction={fraction}"] if attack != "none" else []
     fed = base.federation
@@ -85,14 +93,16 @@ def row_config(dataset: str, attack: str, fraction: float, defense: str, seed: i
     return load_config(None, extra, defaults=base.model_dump(mode="json"), schema=FederatedConfig)
 
 
-def run_one(dataset: str, attack: str, fraction: float, defense: str, seed: int, clip: float | None,
+def run_one(dataset: str, row: str, attack: str, fraction: float, defense: str, seed: int, clip: float | None,
             threads: int) -> dict:
     torch.set_num_threads(threads)
-    out = ROOT / "runs" / "bench" / "robustness" / row_key(dataset, attack, fraction, defense, seed).replace("|", "_")
-    config = row_config(dataset, attack, fraction, defense, seed, clip, out)
+    out = (ROOT / "runs" / "bench" / "robustness"
+           / row_key(dataset, row, attack, fraction, defense, seed).replace("|", "_"))
+    config = row_config(dataset, row, attack, fraction, defense, seed, clip, out)
     results = run_federated(config, resume=find_checkpoint(out / "checkpoint") is not None,
                             show_progress=sys.stderr.isatty())
-    return {"dataset": dataset, "attack": attack, "fraction": fraction, "defense": defense, "seed": seed,
+    return {"dataset": dataset, "row": row, "lr": config.optimizer.lr, "attack": attack, "fraction": fraction,
+            "defense": defense, "seed": seed,
             "final_accuracy": round(results["test"]["accuracy"], 4), "rounds": config.federation.rounds,
             "clip_norm": config.federation.clip_norm, "dp_noise": config.federation.dp_noise,
             "dp_epsilon": results.get("dp_epsilon"), "rejected_uplinks": results["rejected_uplinks"],
@@ -100,13 +110,15 @@ def run_one(dataset: str, attack: str, fraction: float, defense: str, seed: int,
 
 
 def report_lines(rows: list[dict]) -> list[str]:
-    """Per dataset: accuracy under each attack and defense, the points each loses against no attack, the targets."""
+    """Per dataset and row: accuracy under each attack and defense, the points each loses against no attack, the
+    targets."""
     lines = []
-    for dataset in sorted({r["dataset"] for r in rows}):
-        mine = {(r["attack"], r["fraction"], r["defense"]): r["final_accuracy"]
-                for r in rows if r["dataset"] == dataset}
+    for dataset, row in sorted({(r["dataset"], r["row"]) for r in rows}):
+        ours = [r for r in rows if (r["dataset"], r["row"]) == (dataset, row)]
+        mine = {(r["attack"], r["fraction"], r["defense"]): r["final_accuracy"] for r in ours}
         clean = mine.get(("none", 0.0, "mean"))
-        lines += [f"## {dataset}", "", f"No attack, no defense: {clean if clean is not None else 'not run yet'}", ""]
+        lines += [f"## {dataset}, {row} (client lr {ours[0]['lr']:g})", "",
+                  f"No attack, no defense: {clean if clean is not None else 'not run yet'}", ""]
         if clean is None:
             continue
         lines += ["| attack | share | " + " | ".join(DEFENSES) + " |", "|" + "---|" * (len(DEFENSES) + 2)]
@@ -128,7 +140,7 @@ def report_lines(rows: list[dict]) -> list[str]:
             lines.append(f"- {attack}: the plain mean loses {plain_lost:.1f} points (at least 5: "
                          f"{'met' if plain_lost >= 5 else 'missed, the attack is too weak here'}); the best defense, "
                          f"{best}, loses {lost:.1f} (at most 2: {'met' if lost <= 2 else 'missed'})")
-        private = sorted((r for r in rows if r["dataset"] == dataset and r["defense"].startswith("dp-")),
+        private = sorted((r for r in ours if r["defense"].startswith("dp-")),
                          key=lambda r: r["dp_epsilon"])
         if private:
             lines += ["", "| epsilon (delta 1e-5) | noise multiplier | accuracy | against no DP |", "|---|---|---|---|"]
@@ -153,6 +165,7 @@ def main() -> None:
     parser.add_argument("--fractions", type=float, nargs="*", default=FRACTIONS)
     parser.add_argument("--defenses", nargs="*", default=list(DEFENSES), choices=list(DEFENSES))
     parser.add_argument("--epsilons", type=float, nargs="*", default=EPSILONS)
+    parser.add_argument("--row", help="the ranking row to attack (default: zofed's row, chosen on validation)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--clip-quantile", type=float, default=0.9)
     parser.add_argument("--jobs", type=int, default=1)
@@ -169,18 +182,20 @@ def main() -> None:
         return
     table["meta"] = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__}
     for dataset in args.datasets:  # the reference first: the clip norm is calibrated from its uplinks
-        key = row_key(dataset, "none", 0.0, "mean", args.seed)
+        row = args.row or judged_row(ranking_choices(), dataset, TRAINABLE, BUDGET)[0]
+        key = row_key(dataset, row, "none", 0.0, "mean", args.seed)
         if key not in table["rows"]:
-            reference = [(dataset, "none", 0.0, "mean", args.seed, None)]
-            record_rows(run_rows(run_one, reference, lambda *a: row_key(*a[:5]), 1, args.threads), table, path,
+            reference = [(dataset, row, "none", 0.0, "mean", args.seed, None)]
+            record_rows(run_rows(run_one, reference, lambda *a: row_key(*a[:6]), 1, args.threads), table, path,
                         lambda: write_report(table), "")
         clip = honest_clip_norm(ROOT / table["rows"][key]["run_dir"], args.clip_quantile)
-        pending = [(dataset, attack, fraction, defense, args.seed, clip) for attack in args.attacks
+        pending = [(dataset, row, attack, fraction, defense, args.seed, clip) for attack in args.attacks
                    for fraction in args.fractions for defense in args.defenses]
-        pending += [(dataset, "none", 0.0, f"dp-{eps:g}", args.seed, clip) for eps in args.epsilons]
-        pending = [p for p in pending if row_key(*p[:5]) not in table["rows"]]
-        print(f"{dataset}: {len(pending)} runs to do, {args.jobs} at a time (clip norm {clip:.4g})", flush=True)
-        record_rows(run_rows(run_one, pending, lambda *a: row_key(*a[:5]), args.jobs, args.threads), table, path,
+        pending += [(dataset, row, "none", 0.0, f"dp-{eps:g}", args.seed, clip) for eps in args.epsilons]
+        pending = [p for p in pending if row_key(*p[:6]) not in table["rows"]]
+        print(f"{dataset}, {row}: {len(pending)} runs to do, {args.jobs} at a time (clip norm {clip:.4g})",
+              flush=True)
+        record_rows(run_rows(run_one, pending, lambda *a: row_key(*a[:6]), args.jobs, args.threads), table, path,
                     lambda: write_report(table), "")
 
 

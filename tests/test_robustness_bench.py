@@ -22,7 +22,7 @@ def test_the_noise_for_an_epsilon_spends_at_most_it_and_barely_less():
 
 
 def _row(attack, fraction, defense, accuracy, **extra):
-    return {"dataset": "agnews", "attack": attack, "fraction": fraction, "defense": defense, "seed": 0,
+    return {"dataset": "agnews", "row": "zofed-averaged-cached", "lr": 0.003, "attack": attack, "fraction": fraction, "defense": defense, "seed": 0,
             "final_accuracy": accuracy, **extra}
 
 
@@ -32,6 +32,7 @@ def test_the_report_judges_the_targets_from_the_rows():
             _row("sign-flip", 0.2, "median", 0.72),
             _row("none", 0.0, "dp-8", 0.75, dp_epsilon=7.9, dp_noise=0.8)]
     text = "\n".join(robustness.report_lines(rows))
+    assert "## agnews, zofed-averaged-cached (client lr 0.003)" in text
     assert "| scale | 20% | 0.6000 (-18.0) | 0.7700 (-1.0) |  | 0.7400 (-4.0) |  |" in text
     assert "- scale: the plain mean loses 18.0 points (at least 5: met); the best defense, clip, loses 1.0 " \
            "(at most 2: met)" in text
@@ -41,21 +42,27 @@ def test_the_report_judges_the_targets_from_the_rows():
     assert "not run yet" in "\n".join(robustness.report_lines([_row("scale", 0.2, "mean", 0.6)]))
 
 
-def test_each_row_runs_zofed_with_its_attack_and_defense(tmp_path, monkeypatch):
-    table = {"rows": {"k": {"phase": "tune", "row": "zofed", "trainable": "top4", "dataset": "agnews",
-                            "budget": 1000.0, "lr": 0.001, "server_factor": 1.0, "final_accuracy": 0.78}}}
+def test_each_row_runs_the_chosen_zofed_row_with_its_attack_and_defense(tmp_path, monkeypatch):
+    tuned = {"phase": "tune", "trainable": "head", "dataset": "agnews", "budget": 1000.0, "server_factor": 1.0}
+    table = {"rows": {"a": {**tuned, "row": "zofed", "lr": 0.001, "final_accuracy": 0.78},
+                      "b": {**tuned, "row": "zofed-averaged-cached", "lr": 0.003, "final_accuracy": 0.83}}}
     results = tmp_path / "results"
     results.mkdir()
     (results / "ranking.json").write_text(__import__("json").dumps(table))
     monkeypatch.setattr(robustness, "RESULTS", results)
-    config = robustness.row_config("agnews", "scale", 0.2, "median", 0, 1.5, tmp_path / "run")
+    # the attacked row is the zofed variant chosen on validation, with its own levers and lr
+    row = robustness.judged_row(robustness.ranking_choices(), "agnews", robustness.TRAINABLE, robustness.BUDGET)[0]
+    assert row == "zofed-averaged-cached"
+    config = robustness.row_config("agnews", row, "scale", 0.2, "median", 0, 1.5, tmp_path / "run")
     assert (config.attack.kind, config.attack.fraction, config.federation.aggregator) == ("scale", 0.2, "median")
-    assert config.federation.method == "zofed" and config.optimizer.lr == 0.001
-    clipped = robustness.row_config("agnews", "stale", 0.1, "clip", 0, 1.5, tmp_path / "run")
+    assert config.federation.method == "zofed" and config.optimizer.lr == 0.003
+    assert config.trainable.label_head and config.federation.local_steps == 12
+    assert config.federation.server_optimizer.name == "sgd"
+    clipped = robustness.row_config("agnews", row, "stale", 0.1, "clip", 0, 1.5, tmp_path / "run")
     assert clipped.federation.clip_norm == 1.5 and clipped.federation.aggregator == "mean"
-    private = robustness.row_config("agnews", "none", 0.0, "dp-3", 0, 1.5, tmp_path / "run")
+    private = robustness.row_config("agnews", row, "none", 0.0, "dp-3", 0, 1.5, tmp_path / "run")
     fed = private.federation
     assert private.attack.kind == "none" and fed.clip_norm == 1.5
     assert epsilon_spent(fed.dp_noise, fed.partition.num_clients, fed.clients_per_round, fed.rounds, 1e-5) <= 3.0
-    with pytest.raises(KeyError):
-        robustness.row_config("sst5", "none", 0.0, "mean", 0, None, tmp_path / "run")  # not tuned
+    with pytest.raises(SystemExit, match="never tuned on sst5"):
+        robustness.row_config("sst5", row, "none", 0.0, "mean", 0, None, tmp_path / "run")
