@@ -75,6 +75,11 @@ ROWS: dict[str, tuple[str, bool]] = {
     # pass, so the uplink, not compute, caps steps x queries
     "zofed-features-steps48-q4-cached": ("zofed", True),
     "zofed-features-steps96-q2-cached": ("zofed", True),
+    "zofed-features-steps48-cached": ("zofed", True),  # and twice the scalars (48 steps of 8 queries, 1.7 KB up)
+    # twice the scalars in the same bytes: each sent as float16 (federation.scalar_bits=16), 384 under 1 KB
+    "zofed-averaged-steps48-half-cached": ("zofed", True),  # the head recipe with 48 steps
+    "zofed-features-steps96-q4-half-cached": ("zofed", True),
+    "zofed-features-steps192-q2-half-cached": ("zofed", True),
     "hiso": ("hiso", False),
     "fedkseed": ("fedkseed", False),
     "decomfl": ("decomfl", False),
@@ -101,6 +106,7 @@ FEATURES_CACHED = ["federation.feature_cache=16", "federation.local_steps=24", "
 FEATURES_AVERAGED = ["federation.feature_cache=8", "federation.local_steps=12", "zo.queries=8",
                      "federation.logit_adjust=1.0", "federation.average_from=0.5"]
 SHAPED = "zo.precondition=features"
+HALF = "federation.scalar_bits=16"  # scalars travel as float16
 PER_CLASS = ["trainable.label_head=true", "trainable.label_head_per_class=true"]  # the head, split (on any set)
 ROW_OPTIONS = {"zofed-central": [CENTRAL], "zofed-q8": ["zo.queries=8"], "zofed-q48": ["zo.queries=48"],
                "zofed-cosine": ["federation.server_optimizer.decay=cosine"],
@@ -124,6 +130,12 @@ ROW_OPTIONS = {"zofed-central": [CENTRAL], "zofed-q8": ["zo.queries=8"], "zofed-
                "hiso-averaged-steps24-cached": [*FEATURES_AVERAGED, "federation.local_steps=24"],
                "zofed-features-steps48-q4-cached": [*FEATURES_CACHED, "federation.local_steps=48", "zo.queries=4"],
                "zofed-features-steps96-q2-cached": [*FEATURES_CACHED, "federation.local_steps=96", "zo.queries=2"],
+               "zofed-features-steps48-cached": [*FEATURES_CACHED, "federation.local_steps=48"],
+               "zofed-averaged-steps48-half-cached": [*FEATURES_AVERAGED, "federation.local_steps=48", HALF],
+               "zofed-features-steps96-q4-half-cached": [*FEATURES_CACHED, "federation.local_steps=96",
+                                                         "zo.queries=4", HALF],
+               "zofed-features-steps192-q2-half-cached": [*FEATURES_CACHED, "federation.local_steps=192",
+                                                          "zo.queries=2", HALF],
                "zofed-averaged-cached": FEATURES_AVERAGED, "hiso-averaged-cached": FEATURES_AVERAGED,
                "zofed-shaped-averaged-cached": [*FEATURES_AVERAGED, SHAPED],
                "zofed-central-averaged-cached": [*FEATURES_AVERAGED, CENTRAL]}
@@ -131,7 +143,8 @@ ROW_OPTIONS = {"zofed-central": [CENTRAL], "zofed-q8": ["zo.queries=8"], "zofed-
 PLAIN_AVERAGING = ServerDefault("sgd", 1.0)
 ROW_SERVER = {row: PLAIN_AVERAGING for row in ["zofed-averaged-cached", "zofed-shaped-averaged-cached",
                                                "zofed-central-averaged-cached", "zofed-perclass-averaged-cached",
-                                               "zofed-averaged-steps24-cached", "zofed-averaged-steps48-cached"]}
+                                               "zofed-averaged-steps24-cached", "zofed-averaged-steps48-cached",
+                                               "zofed-averaged-steps48-half-cached"]}
 
 
 def server_default(row: str) -> ServerDefault:

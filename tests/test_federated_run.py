@@ -237,3 +237,17 @@ def test_sampling_settings_are_refused_for_methods_that_do_not_read_them(tiny_wo
         _config(tiny_workspace, tmp_path, "federation.aggregator=krum")
     with pytest.raises(ConfigError, match="federation.trim is a setting of the trimmed-mean aggregator, not of mean"):
         _config(tiny_workspace, tmp_path, "federation.trim=0.2")
+
+
+def test_a_run_with_float16_scalars_sends_fewer_bytes_replays_its_log_and_refuses_other_widths(tiny_workspace,
+                                                                                                tmp_path):
+    from zofed.run.replay import replay_run
+
+    full = run_federated(_config(tiny_workspace, tmp_path / "full", "zo.queries=4"), show_progress=False)
+    half = run_federated(_config(tiny_workspace, tmp_path / "half", "zo.queries=4", "federation.scalar_bits=16"),
+                         show_progress=False)
+    # 2 local steps of 4 queries: 8 scalars at 2 bytes instead of 4 (the loss's digits move the header a little)
+    assert 14 <= full["bytes_up_per_client_round"] - half["bytes_up_per_client_round"] <= 18
+    assert replay_run(tmp_path / "half").matches  # a third party rebuilds the model from the float16 log alone
+    with pytest.raises(ConfigError, match="federation.scalar_bits"):
+        _config(tiny_workspace, tmp_path, "federation.scalar_bits=8")

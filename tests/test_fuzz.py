@@ -24,6 +24,8 @@ def _uplinks() -> list[bytes]:
     grads = rng.normal(size=(4, 2)).astype(np.float32)
     return [encode(ClientUpdate(3, 1, np.zeros(0, np.uint64), 12345, grads, 40, {"train_loss": 0.7})),
             encode(ClientUpdate(3, 2, np.arange(4, dtype=np.uint64), None, grads, 8, {})),
+            encode(ClientUpdate(3, 2, np.zeros(0, np.uint64), 12345, grads.astype(np.float16).astype(np.float32), 8,
+                                {}, scalar_bits=16)),
             encode(ClientUpdate(3, 1, np.zeros(0, np.uint64), None, np.zeros((0, 1), np.float32), 5, {},
                                 dense=rng.normal(size=16).astype(np.float32)))]
 

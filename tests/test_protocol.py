@@ -123,7 +123,8 @@ def test_protocol_version_is_2():
 
 def test_v2_fields():
     assert [f.name for f in fields(ClientUpdate)] == [
-        "round_id", "client_id", "seeds", "base_seed", "grads", "num_examples", "metrics", "dense"]
+        "round_id", "client_id", "seeds", "base_seed", "grads", "num_examples", "metrics", "dense",
+        "scalar_bits"]
     assert [f.name for f in fields(ServerBroadcast)] == ["round_id", "server_state", "weights", "config"]
 
 
@@ -542,3 +543,47 @@ def test_random_mutations_only_raise_message_error(data):
             validate(msg)
             outcomes["ok"] += 1
     assert outcomes["error"] > 100, outcomes
+
+
+def half_uplink(steps: int = 8, queries: int = 4) -> ClientUpdate:
+    """An uplink whose scalars were rounded to float16 by the client, as zo_step(scalar_bits=16) rounds them."""
+    msg = uplink(steps=steps, queries=queries)
+    return replace(msg, grads=msg.grads.astype(np.float16).astype(np.float32), scalar_bits=16)
+
+
+def test_float16_scalars_travel_in_half_the_bytes_and_decode_to_the_same_float32_values():
+    half, full = half_uplink(), replace(half_uplink(), scalar_bits=32)
+    data = encode(half)
+    (_, _, _, header_len), header, _ = split(data)
+    assert header["a"][1] == ["g", "<f2", [8, 4], 64]
+    assert len(data) == PREFIX.size + header_len + 2 * 8 * 4  # 2 bytes a scalar
+    assert message_nbytes(full) - len(data) == 2 * 8 * 4 + 1  # and the header's byte count is one digit shorter
+    back = decode(data)
+    assert back.scalar_bits == 16 and back.grads.dtype == np.float32
+    assert_same(back, half)
+    assert encode(back) == data  # canonical: a decoded message re-encodes to its own bytes
+
+
+def test_float16_scalars_must_hold_float16_values_and_any_new_numbers_travel_as_float32():
+    msg = half_uplink()
+    unrounded = replace(msg, grads=msg.grads + np.float32(1e-4))
+    with pytest.raises(MessageError, match="must hold float16 values") as err:
+        encode(unrounded)
+    assert err.value.reason == "bad_field"
+    with pytest.raises(MessageError, match="scalar_bits must be one of") as err:
+        encode(replace(msg, scalar_bits=8))
+    clipped = msg.with_numbers(msg.grads * 0.3)  # the server's clip, say: no longer float16 values
+    assert clipped.scalar_bits == 32 and decode(encode(clipped)).scalar_bits == 32
+    nan = replace(msg, grads=np.full_like(msg.grads, np.nan))
+    with pytest.raises(MessageError) as err:
+        encode(nan)
+    assert err.value.reason == "non_finite"  # not blamed on the rounding
+
+
+def test_a_header_naming_another_scalar_dtype_is_refused():
+    data = bytearray(encode(half_uplink()))
+    at = bytes(data).index(b'"<f2"')
+    data[at:at + 5] = b'"<f8"'
+    with pytest.raises(MessageError, match="grads must have dtype <f4 or <f2") as err:
+        decode(bytes(data))
+    assert err.value.reason == "dtype"

@@ -22,8 +22,8 @@ def test_the_noise_for_an_epsilon_spends_at_most_it_and_barely_less():
 
 
 def _row(attack, fraction, defense, accuracy, **extra):
-    return {"dataset": "agnews", "row": "zofed-averaged-cached", "lr": 0.003, "attack": attack, "fraction": fraction, "defense": defense, "seed": 0,
-            "final_accuracy": accuracy, **extra}
+    return {"dataset": "agnews", "row": "zofed-averaged-cached", "lr": 0.003, "attack": attack, "fraction": fraction,
+            "defense": defense, "seed": 0, "final_accuracy": accuracy, **extra}
 
 
 def test_the_report_judges_the_targets_from_the_rows():

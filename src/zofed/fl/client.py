@@ -140,7 +140,8 @@ def run_zo_client(ctx: ClientContext, start: Sequence[torch.Tensor], client_id: 
             loss = (ctx.task.cached_loss(ctx.model, cache, batch, shift) if cache is not None
                     else lambda b=batch: ctx.task.loss(ctx.model, b, shift))
         state, record = zo_step(tensors, loss, optimizer, state, seed=seed, eps=local.eps, lr=local.lr,
-                                queries=local.queries, perturbation=pert, clean=clean, estimator=local.estimator)
+                                queries=local.queries, perturbation=pert, clean=clean, estimator=local.estimator,
+                                scalar_bits=local.scalar_bits)
         grads.append(record.grads)
         losses.append(record.loss)
     metrics = {"train_loss": float(np.mean(losses))}
@@ -149,5 +150,6 @@ def run_zo_client(ctx: ClientContext, start: Sequence[torch.Tensor], client_id: 
     update = ClientUpdate(
         local.round_id, client_id,
         np.array(seeds.seeds, dtype=np.uint64) if seeds.explicit else np.zeros(0, np.uint64),
-        None if seeds.explicit else seeds.base_seed, np.asarray(grads, dtype=np.float32), len(indices), metrics)
+        None if seeds.explicit else seeds.base_seed, np.asarray(grads, dtype=np.float32), len(indices), metrics,
+        scalar_bits=local.scalar_bits)
     return update, clean

@@ -46,6 +46,7 @@ class LocalTraining:
     beta2: float = 0.999
     logit_adjust: float = 0.0  # the clients' training loss adds this x log of their own label frequencies
     feature_cache: int = 0  # examples a client runs through the frozen model once a round, then steps on (0: off)
+    scalar_bits: int = 32  # the precision the clients' scalars travel with (16: float16, half the bytes)
 
     def local_optimizer(self) -> MeZO | ZOSGDMomentum | ZOAdam:
         """The clients' local optimizer, which the server replays to rebuild a client's steps."""
@@ -100,6 +101,7 @@ class FederationPlan:
     beta2: float = 0.999
     logit_adjust: float = 0.0
     feature_cache: int = 0
+    scalar_bits: int = 32
 
     @classmethod
     def from_config(cls, config: FederatedConfig, num_clients: int, pass_fraction: float = 1.0) -> FederationPlan:
@@ -121,7 +123,7 @@ class FederationPlan:
             "estimator": config.zo.resolved_estimator(fed.method),
             "optimizer": "mezo" if method.first_order else config.optimizer.name, "momentum": config.optimizer.momentum,
             "beta1": config.optimizer.beta1, "beta2": config.optimizer.beta2, "logit_adjust": fed.logit_adjust,
-            "feature_cache": fed.feature_cache}
+            "feature_cache": fed.feature_cache, "scalar_bits": fed.scalar_bits}
         return cls(**settings)
 
     def round(self, round_id: int) -> LocalTraining:

@@ -9,12 +9,14 @@ The header holds the scalar fields under one-letter keys (a seed-and-scalar upli
 the header is a large share of it) and one [key, dtype, shape, byte length] entry per array:
 
     uplink:   r round_id, c client_id, b base_seed (null: explicit seeds), n num_examples, m metrics, a arrays
-              arrays s seeds, g grads, d dense (only when not None)
+              arrays s seeds, g grads (float32, or float16 when the client rounded them: scalar_bits 16),
+              d dense (only when not None)
     downlink: r round_id, k config, a arrays
               arrays ss server_state, w weights
 
 Version 2 dropped what no method sent: the uplink's personalization vector and the downlink's mode, seeds and
-update log (every downlink carries the weights).
+update log (every downlink carries the weights). Float16 scalars came later within version 2: every float32
+message stays as it was, and a receiver that predates them refuses a float16 one with a dtype error.
 
 Decoding evaluates nothing: it parses JSON, compares each dtype string with the one its field requires and
 checks every length against the bytes at hand before reading, so untrusted bytes can only raise MessageError.
@@ -73,6 +75,9 @@ class ClientUpdate:
     num_examples: int  # uint32
     metrics: dict[str, float]  # finite numbers, sent as JSON in the header
     dense: np.ndarray | None = None  # float32 flat update, for baselines that upload one (FedAvg, FedZO)
+    # 16: the grads travel as float16 (half the bytes a scalar), which they must then hold exactly: the client
+    # rounds each scalar before its step uses it (zo_step's scalar_bits), so the server's replay stays exact
+    scalar_bits: int = 32
 
     @property
     def numbers(self) -> np.ndarray:
@@ -80,9 +85,10 @@ class ClientUpdate:
         return self.dense if self.dense is not None else self.grads
 
     def with_numbers(self, values: np.ndarray) -> ClientUpdate:
-        """The same uplink carrying `values` (float32) in place of `numbers` (clipped, noised, or a lie)."""
+        """The same uplink carrying `values` (float32) in place of `numbers` (clipped, noised, or a lie); new
+        scalars travel as float32, whatever the old ones did."""
         values = np.asarray(values, np.float32)
-        return replace(self, **({"dense": values} if self.dense is not None else {"grads": values}))
+        return replace(self, **({"dense": values} if self.dense is not None else {"grads": values, "scalar_bits": 32}))
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,18 +108,18 @@ Message = ClientUpdate | ServerBroadcast
 class _Array:
     key: str  # name on the wire
     attr: str
-    dtype: str  # the only wire dtype the field accepts
+    dtype: str  # the wire dtype the field travels as, and the in-memory one
     ndims: tuple[int, ...]
     optional: bool = False
+    narrow: str | None = None  # a narrower wire dtype it may travel as instead (read back as `dtype`)
 
-    @property
-    def itemsize(self) -> int:
-        return int(self.dtype[2:])
+
+SCALAR_WIRE = {32: "<f4", 16: "<f2"}  # scalar_bits -> the grads' wire dtype
 
 
 _UPLINK_ARRAYS = (
     _Array("s", "seeds", "<u8", (1,)),
-    _Array("g", "grads", "<f4", (2,)),
+    _Array("g", "grads", "<f4", (2,), narrow="<f2"),
     _Array("d", "dense", "<f4", (1,), optional=True),
 )
 _DOWNLINK_ARRAYS = (
@@ -140,14 +146,23 @@ def encode(msg: Message) -> bytes:
     else:
         kind, specs = KIND_DOWNLINK, _DOWNLINK_ARRAYS
         header = {"r": int(msg.round_id), "k": dict(msg.config)}
-    arrays = [(spec, getattr(msg, spec.attr)) for spec in specs if getattr(msg, spec.attr) is not None]
-    header["a"] = [[spec.key, spec.dtype, list(a.shape), a.size * spec.itemsize] for spec, a in arrays]
+    arrays = [(spec, _wire_dtype(msg, spec), getattr(msg, spec.attr)) for spec in specs
+              if getattr(msg, spec.attr) is not None]
+    header["a"] = [[spec.key, dtype, list(a.shape), a.size * _itemsize(dtype)] for spec, dtype, a in arrays]
     blob = json.dumps(header, **_JSON_ARGS).encode("utf-8")
     if len(blob) > MAX_HEADER_BYTES:  # receivers would refuse it
         raise MessageError("too_large", f"header is {len(blob)} bytes, over {MAX_HEADER_BYTES}: trim metrics/config")
     parts = [_PREFIX.pack(MAGIC, PROTOCOL_VERSION, kind, len(blob)), blob]
-    parts += [np.ascontiguousarray(a, dtype=spec.dtype).tobytes() for spec, a in arrays]
+    parts += [np.ascontiguousarray(a, dtype=dtype).tobytes() for _, dtype, a in arrays]
     return b"".join(parts)
+
+
+def _wire_dtype(msg: Message, spec: _Array) -> str:
+    return SCALAR_WIRE[msg.scalar_bits] if spec.attr == "grads" and isinstance(msg, ClientUpdate) else spec.dtype
+
+
+def _itemsize(dtype: str) -> int:
+    return int(dtype[2:])
 
 
 def message_nbytes(msg: Message) -> int:
@@ -184,13 +199,14 @@ def decode(data: bytes | bytearray | memoryview, *, expect_round: int | None = N
     if not isinstance(header, dict) or set(header) != keys:
         got = sorted(header) if isinstance(header, dict) else type(header).__name__
         raise MessageError("bad_header", f"header must be an object with keys {sorted(keys)}, got {got}")
-    arrays, offset = _read_arrays(header["a"], specs, view, end)
+    arrays, narrowed, offset = _read_arrays(header["a"], specs, view, end)
     if offset != len(view):
         raise MessageError("trailing_bytes", f"{len(view) - offset} bytes follow the last array")
     msg: Message
     if kind == KIND_UPLINK:
         msg = ClientUpdate(round_id=header["r"], client_id=header["c"], base_seed=header["b"],
-                           num_examples=header["n"], metrics=header["m"], **arrays)
+                           num_examples=header["n"], metrics=header["m"], **arrays,
+                           scalar_bits=16 if "grads" in narrowed else 32)
     else:
         msg = ServerBroadcast(round_id=header["r"], config=header["k"], **arrays)
     _validate(msg, "bad_header")
@@ -233,8 +249,9 @@ def _is_uint(value: Any, limit: int) -> bool:
 
 
 def _read_arrays(entries: Any, specs: tuple[_Array, ...], view: memoryview,
-                 offset: int) -> tuple[dict[str, np.ndarray], int]:
-    """Arrays described by header entries [key, dtype, shape, nbytes], read from `view` starting at `offset`."""
+                 offset: int) -> tuple[dict[str, np.ndarray], set[str], int]:
+    """Arrays described by header entries [key, dtype, shape, nbytes], read from `view` starting at `offset`, each
+    in its field's in-memory dtype; also the fields that travelled in their narrower dtype."""
     if not isinstance(entries, list) or not all(_is_descriptor(e) for e in entries):
         raise MessageError("bad_header", "header 'a' must be a list of [key, dtype, shape, nbytes] entries, "
                                          f"each dimension in 0..{_U32_MAX}")
@@ -243,23 +260,26 @@ def _read_arrays(entries: Any, specs: tuple[_Array, ...], view: memoryview,
     if keys != expected:  # one canonical order, so re-encoding a decoded message gives the same bytes
         raise MessageError("bad_header", f"arrays must be {expected} in that order, got {keys}")
     by_key = {s.key: s for s in specs}
-    arrays = {}
+    arrays, narrowed = {}, set()
     for key, dtype, shape, nbytes in entries:
         spec = by_key[key]
-        if dtype != spec.dtype:
-            raise MessageError("dtype", f"{spec.attr} must have dtype {spec.dtype}, got {dtype!r}")
+        if dtype not in (spec.dtype, spec.narrow):
+            allowed = spec.dtype if spec.narrow is None else f"{spec.dtype} or {spec.narrow}"
+            raise MessageError("dtype", f"{spec.attr} must have dtype {allowed}, got {dtype!r}")
         if len(shape) not in spec.ndims:
             raise MessageError("shape", f"{spec.attr} must have {' or '.join(map(str, spec.ndims))} dimensions, "
                                         f"got shape {shape}")
-        if nbytes != math.prod(shape) * spec.itemsize:
+        if nbytes != math.prod(shape) * _itemsize(dtype):
             raise MessageError("length_mismatch", f"{spec.attr} declares {nbytes} bytes but shape {shape} of "
-                                                  f"{spec.dtype} needs {math.prod(shape) * spec.itemsize}")
+                                                  f"{dtype} needs {math.prod(shape) * _itemsize(dtype)}")
         if offset + nbytes > len(view):
             raise MessageError("truncated", f"{spec.attr} needs {nbytes} bytes but {len(view) - offset} remain")
-        raw = np.frombuffer(view, dtype=spec.dtype, count=nbytes // spec.itemsize, offset=offset)
+        raw = np.frombuffer(view, dtype=dtype, count=nbytes // _itemsize(dtype), offset=offset)
         arrays[spec.attr] = raw.reshape(shape).astype(np.dtype(spec.dtype).newbyteorder("="))  # owned, native
+        if dtype != spec.dtype:
+            narrowed.add(spec.attr)
         offset += nbytes
-    return arrays, offset
+    return arrays, narrowed, offset
 
 
 def _is_descriptor(entry: Any) -> bool:
@@ -287,6 +307,12 @@ def _validate(msg: Message, field_reason: str) -> None:
                                         "entries and there is no base_seed")
         if steps and not msg.grads.shape[1]:
             raise MessageError("shape", f"ClientUpdate.grads has {steps} steps of 0 queries")
+        if msg.scalar_bits not in SCALAR_WIRE:
+            raise MessageError(field_reason, f"ClientUpdate.scalar_bits must be one of {sorted(SCALAR_WIRE)}, got "
+                                             f"{msg.scalar_bits!r}")
+        if msg.scalar_bits == 16 and not _holds_exactly(msg.grads, np.float16):
+            raise MessageError(field_reason, "ClientUpdate.grads must hold float16 values to travel as float16 "
+                                             "(round them before the step uses them: zo_step's scalar_bits)")
     elif isinstance(msg, ServerBroadcast):
         name, specs = "ServerBroadcast", _DOWNLINK_ARRAYS
         _check_uint(msg, "round_id", _U32_MAX, field_reason)
@@ -298,6 +324,11 @@ def _validate(msg: Message, field_reason: str) -> None:
         value = getattr(msg, spec.attr)
         if spec.dtype[1] == "f" and value is not None and not np.isfinite(value).all():
             raise MessageError("non_finite", f"{name}.{spec.attr} holds NaN or infinite values")
+
+
+def _holds_exactly(values: np.ndarray, dtype: type) -> bool:
+    with np.errstate(over="ignore"):  # a value too large for `dtype` becomes inf, which differs from it
+        return bool(np.array_equal(values.astype(dtype).astype(values.dtype), values, equal_nan=True))
 
 
 def _check_uint(msg: Message, attr: str, limit: int, reason: str) -> None:

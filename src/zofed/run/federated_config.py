@@ -97,6 +97,10 @@ class FederationSection(_Section):
     # when it has fewer, charged as this many) and takes its local steps on their last hidden states, so a step
     # costs the head alone and a round can hold many. 0: off, every step runs its own batch through the model.
     feature_cache: int = Field(0, ge=0)
+    # The precision of the clients' scalars on the wire: 16 sends each as float16 (2 bytes, about 3 significant
+    # digits, saturating at 65504), so twice the steps fit the same uplink. Clients round each scalar before
+    # their step uses it, so the server's replay stays exact.
+    scalar_bits: Literal[32, 16] = 32
     # how the clients' updates combine (fl/aggregate.py): mean, trimmed-mean, median, seed-median (shared seeds)
     aggregator: str = "mean"
     trim: float = Field(0.1, ge=0, lt=0.5)  # trimmed-mean: the share of clients dropped at each end, per coordinate

@@ -15,6 +15,7 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from zofed.zo.noise import NoiseSource, derive_seed
@@ -39,8 +40,16 @@ class StepRecord:
         return [(s, g / q) for s, g in zip(self.query_seeds(), self.grads, strict=True)]
 
 
-def _as_float32(value: float) -> float:
-    """Scalars travel as float32; the step uses the rounded value so a replay from the wire is exact."""
+FLOAT16_MAX = 65504.0
+
+
+def as_wire_scalar(value: float, bits: int = 32) -> float:
+    """A scalar as it travels: float32, or float16 (saturated at its largest finite value rather than sent as
+    infinity). The step uses the rounded value, so a replay from the wire is exact."""
+    if bits == 16:
+        return float(np.float16(min(max(value, -FLOAT16_MAX), FLOAT16_MAX)))
+    if bits != 32:
+        raise ValueError(f"scalars travel with 32 or 16 bits, not {bits}")
     return struct.unpack("<f", struct.pack("<f", value))[0]
 
 
@@ -60,7 +69,8 @@ ESTIMATORS = ("central", "forward")
 @torch.no_grad()
 def zo_step(tensors: Sequence[torch.Tensor], loss_fn: Callable[[], float], optimizer, state: OptState, *,
             seed: int, eps: float, lr: float, queries: int = 1, perturbation: Perturbation | None = None,
-            clean: Sequence[torch.Tensor] | None = None, estimator: str = "central") -> tuple[OptState, StepRecord]:
+            clean: Sequence[torch.Tensor] | None = None, estimator: str = "central",
+            scalar_bits: int = 32) -> tuple[OptState, StepRecord]:
     """Estimate the gradient of `loss_fn` at the current `tensors` and apply `optimizer` in place.
 
     `estimator="central"` takes (L(x + eps u) - L(x - eps u)) / (2 eps) per query: 2 q loss evaluations.
@@ -72,18 +82,22 @@ def zo_step(tensors: Sequence[torch.Tensor], loss_fn: Callable[[], float], optim
     bit-identical to a replay of the step's record (what a server computes), at the cost of one extra
     copy of the trainable tensors. Without it, perturb and restore happen in place and leave fp32 rounding
     of about one ulp per step in the parameters (inference-level memory).
+
+    `scalar_bits` is the precision each query's scalar travels with (32 or 16): the step rounds to it first.
     """
     if eps <= 0:
         raise ValueError(f"eps must be positive, got {eps}")
     if queries < 1:
         raise ValueError(f"queries must be at least 1, got {queries}")
+    if scalar_bits not in (32, 16):
+        raise ValueError(f"scalars travel with 32 or 16 bits, not {scalar_bits}")
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown ZO estimator {estimator!r}; choose one of {', '.join(ESTIMATORS)}")
     pert = optimizer.perturbation(clean if clean is not None else tensors, state, perturbation or Perturbation())
     if estimator == "forward":
-        return _forward_step(tensors, clean, loss_fn, optimizer, state, pert, seed, eps, lr, queries)
+        return _forward_step(tensors, clean, loss_fn, optimizer, state, pert, seed, eps, lr, queries, scalar_bits)
     if clean is not None:
-        return _exact_step(tensors, clean, loss_fn, optimizer, state, pert, seed, eps, lr, queries)
+        return _exact_step(tensors, clean, loss_fn, optimizer, state, pert, seed, eps, lr, queries, scalar_bits)
     grads, losses = [], []
     seeds = [query_seed(seed, j) for j in range(queries)]
     # q > 1 regenerates every direction at the end; the noise is made on the tensors' own device
@@ -96,7 +110,7 @@ def zo_step(tensors: Sequence[torch.Tensor], loss_fn: Callable[[], float], optim
         if not (math.isfinite(loss_plus) and math.isfinite(loss_minus)):
             add_directions_(tensors, [(s, eps)], pert, source)
             raise NonFiniteLossError(f"non-finite loss at query {j}: +eps {loss_plus}, -eps {loss_minus}")
-        grads.append(_as_float32((loss_plus - loss_minus) / (2 * eps)))
+        grads.append(as_wire_scalar((loss_plus - loss_minus) / (2 * eps), scalar_bits))
         losses.extend((loss_plus, loss_minus))
         if j < queries - 1:
             add_directions_(tensors, [(s, eps)], pert, source)
@@ -105,7 +119,7 @@ def zo_step(tensors: Sequence[torch.Tensor], loss_fn: Callable[[], float], optim
     return state, record
 
 
-def _exact_step(tensors, clean, loss_fn, optimizer, state, pert, seed, eps, lr, queries):
+def _exact_step(tensors, clean, loss_fn, optimizer, state, pert, seed, eps, lr, queries, bits):
     grads, losses = [], []
     seeds = [query_seed(seed, j) for j in range(queries)]
     source = NoiseSource(pert.kind, cache_words=queries == 1, device=clean[0].device)
@@ -117,7 +131,7 @@ def _exact_step(tensors, clean, loss_fn, optimizer, state, pert, seed, eps, lr, 
         if not (math.isfinite(loss_plus) and math.isfinite(loss_minus)):
             _copy_(tensors, clean)
             raise NonFiniteLossError(f"non-finite loss at query {j}: +eps {loss_plus}, -eps {loss_minus}")
-        grads.append(_as_float32((loss_plus - loss_minus) / (2 * eps)))
+        grads.append(as_wire_scalar((loss_plus - loss_minus) / (2 * eps), bits))
         losses.extend((loss_plus, loss_minus))
     record = StepRecord(step=state.step, seed=seed, grads=tuple(grads), loss=sum(losses) / len(losses))
     state = optimizer.apply(clean, state, record.grad_terms(), [], lr, pert, source)
@@ -125,7 +139,7 @@ def _exact_step(tensors, clean, loss_fn, optimizer, state, pert, seed, eps, lr, 
     return state, record
 
 
-def _forward_step(tensors, clean, loss_fn, optimizer, state, pert, seed, eps, lr, queries):
+def _forward_step(tensors, clean, loss_fn, optimizer, state, pert, seed, eps, lr, queries, bits):
     """One-sided queries around one centre pass; from the clean copy when given (exact replay), else in place."""
     centre = float(loss_fn())
     if not math.isfinite(centre):
@@ -145,7 +159,7 @@ def _forward_step(tensors, clean, loss_fn, optimizer, state, pert, seed, eps, lr
             else:
                 add_directions_(tensors, [(s, -eps)], pert, source)
             raise NonFiniteLossError(f"non-finite loss at query {j}: +eps {loss_plus}")
-        grads.append(_as_float32((loss_plus - centre) / eps))
+        grads.append(as_wire_scalar((loss_plus - centre) / eps, bits))
         if clean is None and j < queries - 1:
             add_directions_(tensors, [(s, -eps)], pert, source)
     record = StepRecord(step=state.step, seed=seed, grads=tuple(grads), loss=centre)
