@@ -23,8 +23,8 @@ def test_no_config_gets_the_head_recipe_and_a_stored_config_loads_back_the_same(
     assert (cfg.trainable.mode, cfg.trainable.label_head) == ("none", True)
     assert (cfg.zo.queries, cfg.zo.prefix_cache, cfg.optimizer.lr, cfg.train.batch_size) == (8, True, 1e-3, 8)
     fed = cfg.federation
-    assert (fed.rounds, fed.local_steps, fed.feature_cache, fed.logit_adjust, fed.average_from) == \
-        (HEAD["federation"]["rounds"], 24, 8, 1.0, 0.5)
+    assert (fed.rounds, fed.local_steps, fed.scalar_bits, fed.feature_cache, fed.logit_adjust, fed.average_from) == \
+        (HEAD["federation"]["rounds"], 48, 16, 8, 1.0, 0.5)
     assert (fed.server_optimizer.name, fed.server_optimizer.lr) == ("sgd", 1.0)
     assert FederatedConfig.model_validate(yaml.safe_load(yaml.safe_dump(cfg.model_dump()))) == cfg
 
@@ -71,9 +71,9 @@ def test_run_without_a_trainable_set_trains_the_label_head_on_cached_features(ti
     assert result.exit_code == 0, result.output
     assert "recipe=head" in result.output
     results = json.loads((out / "results.json").read_text())
-    # one pass of 8 cached examples a client round (batch 8), then 24 steps of 8 scalars each on the features
+    # one pass of 8 cached examples a client round (batch 8), then 48 steps of 8 scalars each on the features
     assert results["forward_passes_per_client_round"] == 1.0
     assert results["forward_passes"] == 2 * 2
     stored = yaml.safe_load((out / "config.yaml").read_text())
     assert stored["federation"]["recipe"] == "head" and stored["trainable"]["label_head"] is True
-    assert 192 * 4 <= results["bytes_up_per_client_round"] < 1024  # 192 float32 scalars and their seeds
+    assert 384 * 2 <= results["bytes_up_per_client_round"] < 1024  # 384 float16 scalars and their seeds
