@@ -114,7 +114,7 @@ class _Array:
     narrow: str | None = None  # a narrower wire dtype it may travel as instead (read back as `dtype`)
 
 
-SCALAR_WIRE = {32: "<f4", 16: "<f2"}  # scalar_bits -> the grads' wire dtype
+SCALAR_BITS = (32, 16)  # the widths a ClientUpdate's scalars may travel with (16: the grads' narrow dtype)
 
 
 _UPLINK_ARRAYS = (
@@ -158,7 +158,8 @@ def encode(msg: Message) -> bytes:
 
 
 def _wire_dtype(msg: Message, spec: _Array) -> str:
-    return SCALAR_WIRE[msg.scalar_bits] if spec.attr == "grads" and isinstance(msg, ClientUpdate) else spec.dtype
+    """The grads travel narrow when the uplink says so (scalar_bits 16); every other array as its own dtype."""
+    return spec.narrow if spec.narrow is not None and msg.scalar_bits == 16 else spec.dtype
 
 
 def _itemsize(dtype: str) -> int:
@@ -307,8 +308,8 @@ def _validate(msg: Message, field_reason: str) -> None:
                                         "entries and there is no base_seed")
         if steps and not msg.grads.shape[1]:
             raise MessageError("shape", f"ClientUpdate.grads has {steps} steps of 0 queries")
-        if msg.scalar_bits not in SCALAR_WIRE:
-            raise MessageError(field_reason, f"ClientUpdate.scalar_bits must be one of {sorted(SCALAR_WIRE)}, got "
+        if msg.scalar_bits not in SCALAR_BITS:
+            raise MessageError(field_reason, f"ClientUpdate.scalar_bits must be one of {list(SCALAR_BITS)}, got "
                                              f"{msg.scalar_bits!r}")
         if msg.scalar_bits == 16 and not _holds_exactly(msg.grads, np.float16):
             raise MessageError(field_reason, "ClientUpdate.grads must hold float16 values to travel as float16 "

@@ -43,13 +43,11 @@ class StepRecord:
 FLOAT16_MAX = 65504.0
 
 
-def as_wire_scalar(value: float, bits: int = 32) -> float:
-    """A scalar as it travels: float32, or float16 (saturated at its largest finite value rather than sent as
-    infinity). The step uses the rounded value, so a replay from the wire is exact."""
+def _wire_scalar(value: float, bits: int) -> float:
+    """A scalar as it travels: float32, or float16 with bits 16 (saturated at its largest finite value rather than
+    sent as infinity). The step uses the rounded value, so a replay from the wire is exact."""
     if bits == 16:
         return float(np.float16(min(max(value, -FLOAT16_MAX), FLOAT16_MAX)))
-    if bits != 32:
-        raise ValueError(f"scalars travel with 32 or 16 bits, not {bits}")
     return struct.unpack("<f", struct.pack("<f", value))[0]
 
 
@@ -110,7 +108,7 @@ def zo_step(tensors: Sequence[torch.Tensor], loss_fn: Callable[[], float], optim
         if not (math.isfinite(loss_plus) and math.isfinite(loss_minus)):
             add_directions_(tensors, [(s, eps)], pert, source)
             raise NonFiniteLossError(f"non-finite loss at query {j}: +eps {loss_plus}, -eps {loss_minus}")
-        grads.append(as_wire_scalar((loss_plus - loss_minus) / (2 * eps), scalar_bits))
+        grads.append(_wire_scalar((loss_plus - loss_minus) / (2 * eps), scalar_bits))
         losses.extend((loss_plus, loss_minus))
         if j < queries - 1:
             add_directions_(tensors, [(s, eps)], pert, source)
@@ -131,7 +129,7 @@ def _exact_step(tensors, clean, loss_fn, optimizer, state, pert, seed, eps, lr, 
         if not (math.isfinite(loss_plus) and math.isfinite(loss_minus)):
             _copy_(tensors, clean)
             raise NonFiniteLossError(f"non-finite loss at query {j}: +eps {loss_plus}, -eps {loss_minus}")
-        grads.append(as_wire_scalar((loss_plus - loss_minus) / (2 * eps), bits))
+        grads.append(_wire_scalar((loss_plus - loss_minus) / (2 * eps), bits))
         losses.extend((loss_plus, loss_minus))
     record = StepRecord(step=state.step, seed=seed, grads=tuple(grads), loss=sum(losses) / len(losses))
     state = optimizer.apply(clean, state, record.grad_terms(), [], lr, pert, source)
@@ -159,7 +157,7 @@ def _forward_step(tensors, clean, loss_fn, optimizer, state, pert, seed, eps, lr
             else:
                 add_directions_(tensors, [(s, -eps)], pert, source)
             raise NonFiniteLossError(f"non-finite loss at query {j}: +eps {loss_plus}")
-        grads.append(as_wire_scalar((loss_plus - centre) / eps, bits))
+        grads.append(_wire_scalar((loss_plus - centre) / eps, bits))
         if clean is None and j < queries - 1:
             add_directions_(tensors, [(s, -eps)], pert, source)
     record = StepRecord(step=state.step, seed=seed, grads=tuple(grads), loss=centre)
