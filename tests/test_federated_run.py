@@ -11,8 +11,9 @@ from toy_federation import tiny_federated_config
 from typer.testing import CliRunner
 
 from zofed.cli import app
+from zofed.data.partition import ClientSplit
 from zofed.run.config import ConfigError
-from zofed.run.federated import run_federated, worst_decile_mean
+from zofed.run.federated import client_eval_indices, run_federated, worst_decile_mean
 from zofed.run.federated_config import ServerOptimizerSection
 from zofed.run.report import load_run_summary
 from zofed.run.stored_config import dump_config
@@ -22,7 +23,7 @@ _config = tiny_federated_config
 
 def test_run_writes_round_metrics_csv_partition_and_results(tiny_workspace, tmp_path):
     out = tmp_path / "run"
-    results = run_federated(_config(tiny_workspace, out), show_progress=False)
+    results = run_federated(_config(tiny_workspace, out, "federation.client_eval_examples=2"), show_progress=False)
     start, *rounds = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert (start["event"], start["round"]) == ("eval", 0)  # the starting model, before any round
     assert [r["event"] for r in rounds] == ["round"] * 3 and [r["round"] for r in rounds] == [1, 2, 3]
@@ -35,6 +36,10 @@ def test_run_writes_round_metrics_csv_partition_and_results(tiny_workspace, tmp_
     assert (out / "partition.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(json.loads((out / "partition.json").read_text())["clients"]) == 4
     assert 0.0 <= results["client_accuracy_worst10"] <= results["client_accuracy_mean"] <= 1.0
+    clients = json.loads((out / "partition.json").read_text())["clients"]
+    assert results["client_test_examples"] == sum(min(2, len(c["test"])) for c in clients) < sum(
+        len(c["test"]) for c in clients)
+    assert all(round(2 * a, 6) == int(2 * a) for a in results["client_accuracies"])  # at most 2 examples each
     assert results["bytes_down_per_client_round"] > results["bytes_up_per_client_round"]
     assert results["forward_passes"] == 3 * 2 * 2 * 2
 
@@ -251,3 +256,16 @@ def test_a_run_with_float16_scalars_sends_fewer_bytes_replays_its_log_and_refuse
     assert replay_run(tmp_path / "half").matches  # a third party rebuilds the model from the float16 log alone
     with pytest.raises(ConfigError, match="federation.scalar_bits"):
         _config(tiny_workspace, tmp_path, "federation.scalar_bits=8")
+
+
+def test_client_evaluation_reads_a_seeded_sample_of_at_most_the_cap():
+    split = ClientSplit(client_id=3, train=np.arange(10), test=np.arange(100, 400, 3))
+    sample = client_eval_indices(split, 20, seed=0)
+    assert len(sample) == 20 and len(set(sample.tolist())) == 20 and set(sample) <= set(split.test)
+    assert np.all(np.diff(sample) > 0)  # sorted, like the split
+    assert np.array_equal(sample, client_eval_indices(split, 20, seed=0))  # the same examples every time
+    assert not np.array_equal(sample, client_eval_indices(split, 20, seed=1))
+    other = ClientSplit(client_id=4, train=split.train, test=split.test)
+    assert not np.array_equal(sample, client_eval_indices(other, 20, seed=0))  # each client its own draw
+    assert client_eval_indices(split, None, seed=0) is split.test
+    assert client_eval_indices(split, 100, seed=0) is split.test  # a split within the cap is read whole

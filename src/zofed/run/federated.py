@@ -46,14 +46,25 @@ from zofed.run.uplink_log import LOG_NAME, UplinkLog
 from zofed.sim.engine import simulate
 
 
-def per_client_metric(setup: Setup, splits: list[ClientSplit], batch_size: int) -> tuple[str, list[float]]:
-    """The global model on each client's own held-out examples (personalized evaluation): the task's headline
-    metric (accuracy for classification; ROUGE-L for a causal LM that generates, task.generate_eval > 0, else its
-    loss) and its value per client with test examples."""
+def client_eval_indices(split: ClientSplit, cap: int | None, seed: int) -> np.ndarray:
+    """The held-out examples a client is evaluated on: all of them, or a seeded sample of `cap` (sorted)."""
+    if cap is None or len(split.test) <= cap:
+        return split.test
+    rng = np.random.default_rng([seed, split.client_id])
+    return np.sort(rng.choice(split.test, size=cap, replace=False))
+
+
+def per_client_metric(setup: Setup, splits: list[ClientSplit], batch_size: int,
+                      cap: int | None = None) -> tuple[str, list[float]]:
+    """The global model on each client's own held-out examples (personalized evaluation; at most `cap` each): the
+    task's headline metric (accuracy for classification; ROUGE-L for a causal LM that generates,
+    task.generate_eval > 0, else its loss) and its value per client with test examples."""
     task = setup.config.task
     # From the task, not from the results: a federation whose clients hold no test examples still has one.
     metric = "accuracy" if task.type != "causal-lm" else "rougeL" if task.generate_eval > 0 else "loss"
-    results = [setup.task.evaluate(setup.model, setup.train, batch_size, s.test) for s in splits if len(s.test)]
+    seed = setup.config.train.seed
+    results = [setup.task.evaluate(setup.model, setup.train, batch_size, client_eval_indices(s, cap, seed))
+               for s in splits if len(s.test)]
     return metric, [r[metric] for r in results]
 
 
@@ -171,7 +182,8 @@ class FederatedRun:
         t0 = time.perf_counter()
         test = setup.task.evaluate(setup.model, setup.test, config.train.eval_batch_size)
         test_seconds = time.perf_counter() - t0
-        metric, clients = per_client_metric(setup, self.splits, config.train.eval_batch_size)
+        metric, clients = per_client_metric(setup, self.splits, config.train.eval_batch_size,
+                                            fed.client_eval_examples)
         setup.task.save_remembered()
         records = self.metrics.read()
         history = [r for r in records if r["event"] == "round"]
@@ -180,6 +192,8 @@ class FederatedRun:
         evaluated = [r[key] for r in history if key in r]
         results = {"test": test, "test_examples": len(setup.test), "method": fed.method, "rounds": fed.rounds,
                    "client_metric": metric, CLIENT_LISTS[metric]: clients,
+                   "client_test_examples": sum(len(client_eval_indices(s, fed.client_eval_examples, config.train.seed))
+                                               for s in self.splits),
                    f"client_{metric}_mean": float(np.mean(clients)) if clients else None,
                    f"client_{metric}_worst10": worst_decile_mean(clients, metric != "loss") if clients else None,
                    "bytes_up_per_client_round": float(np.mean([r["bytes_up_per_client"] for r in history])),
