@@ -80,6 +80,10 @@ ROWS: dict[str, tuple[str, bool]] = {
     "zofed-averaged-steps48-half-cached": ("zofed", True),  # the head recipe with 48 steps
     "zofed-features-steps96-q4-half-cached": ("zofed", True),
     "zofed-features-steps192-q2-half-cached": ("zofed", True),
+    "zofed-shaped-features-steps192-q2-half-cached": ("zofed", True),  # and feature-shaped noise
+    # zofed-shaped-features-cached releasing the mean of the second half's server iterates, as the averaged rows do
+    "zofed-shaped-features-avg-cached": ("zofed", True),
+    "zofed-shaped-features-steps192-q2-half-avg-cached": ("zofed", True),
     "hiso": ("hiso", False),
     "fedkseed": ("fedkseed", False),
     "decomfl": ("decomfl", False),
@@ -103,14 +107,15 @@ CENTRAL = "zo.estimator=central"
 FEATURES_CACHED = ["federation.feature_cache=16", "federation.local_steps=24", "zo.queries=8",
                    "federation.logit_adjust=1.0"]
 # one pass a client round, tail averaging: what first reached the demo's target on the tweets (docs/method.md)
+TAIL_AVERAGE = "federation.average_from=0.5"  # release the mean of the second half's server iterates
 FEATURES_AVERAGED = ["federation.feature_cache=8", "federation.local_steps=12", "zo.queries=8",
-                     "federation.logit_adjust=1.0", "federation.average_from=0.5"]
+                     "federation.logit_adjust=1.0", TAIL_AVERAGE]
 SHAPED = "zo.precondition=features"
 HALF = "federation.scalar_bits=16"  # scalars travel as float16
 PER_CLASS = ["trainable.label_head=true", "trainable.label_head_per_class=true"]  # the head, split (on any set)
 ROW_OPTIONS = {"zofed-central": [CENTRAL], "zofed-q8": ["zo.queries=8"], "zofed-q48": ["zo.queries=48"],
                "zofed-cosine": ["federation.server_optimizer.decay=cosine"],
-               "zofed-avg": ["federation.average_from=0.5"],
+               "zofed-avg": [TAIL_AVERAGE],
                "zofed-shared": [CENTRAL, "federation.sampling.shared_seeds=true"],
                "zofed-zo-adam": [CENTRAL, "optimizer.name=zo-adam"],
                "zofed-tensor": [CENTRAL, TENSORWISE], "zofed-uncached-tensor": [TENSORWISE],
@@ -136,6 +141,11 @@ ROW_OPTIONS = {"zofed-central": [CENTRAL], "zofed-q8": ["zo.queries=8"], "zofed-
                                                          "zo.queries=4", HALF],
                "zofed-features-steps192-q2-half-cached": [*FEATURES_CACHED, "federation.local_steps=192",
                                                           "zo.queries=2", HALF],
+               "zofed-shaped-features-steps192-q2-half-cached": [*FEATURES_CACHED, "federation.local_steps=192",
+                                                                 "zo.queries=2", HALF, SHAPED],
+               "zofed-shaped-features-avg-cached": [*FEATURES_CACHED, SHAPED, TAIL_AVERAGE],
+               "zofed-shaped-features-steps192-q2-half-avg-cached": [*FEATURES_CACHED, "federation.local_steps=192",
+                                                                     "zo.queries=2", HALF, SHAPED, TAIL_AVERAGE],
                "zofed-averaged-cached": FEATURES_AVERAGED, "hiso-averaged-cached": FEATURES_AVERAGED,
                "zofed-shaped-averaged-cached": [*FEATURES_AVERAGED, SHAPED],
                "zofed-central-averaged-cached": [*FEATURES_AVERAGED, CENTRAL]}

@@ -164,8 +164,8 @@ def comparison_lines(by_row: dict[str, list[dict]], zofed: str = "zofed",
     if len(fedavg) == len(zofed_seeds):
         gap = 100 * (np.mean([r["final_accuracy"] for r in fedavg])
                      - np.mean([r["final_accuracy"] for r in mine.values()]))
-        lines.append(f"- FedAvg with LoRA leads {zofed} by {gap:+.2f} points; within 3 points: "
-                     + ("met" if gap <= 3 else "missed"))
+        standing = f"leads {zofed} by {gap:.2f} points" if gap > 0 else f"is {-gap:.2f} points behind {zofed}"
+        lines.append(f"- FedAvg with LoRA {standing}; within 3 points: " + ("met" if gap <= 3 else "missed"))
     else:
         lines.append(f"- FedAvg with LoRA: final rows on {len(fedavg)} of {zofed}'s {len(zofed_seeds)} seeds here; "
                      "within 3 points: not judged yet")

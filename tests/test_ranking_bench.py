@@ -45,7 +45,7 @@ def test_the_targets_are_judged_from_the_rows():
            "on average: met on 3 of the 5 seeds so far" in text
     assert "+3.67 points (standard error 0.88); at least +2 points and two standard errors: met on 3 of the 5 " \
            "seeds so far" in text
-    assert "FedAvg with LoRA leads zofed by +5.00 points; within 3 points: missed" in text
+    assert "FedAvg with LoRA leads zofed by 5.00 points; within 3 points: missed" in text
     assert "uplink: 200 bytes per client and round; at most 1 KB: met" in text
     by_row["zofed"][1]["curve"] = [[0, 0.0, 0, 0.6], [1000, 0.0, 1, 0.74]]  # one seed never gets there
     assert "Half the compute: missed, 1 of zofed's 3 seeds never reach" in "\n".join(comparison_lines(by_row))
