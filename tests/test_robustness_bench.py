@@ -34,10 +34,18 @@ def test_the_report_judges_the_targets_from_the_rows():
     text = "\n".join(robustness.report_lines(rows))
     assert "## agnews, zofed-averaged-cached (client lr 0.003)" in text
     assert "| scale | 20% | 0.6000 (-18.0) | 0.7700 (-1.0) |  | 0.7400 (-4.0) |  |" in text
-    assert "- scale: the plain mean loses 18.0 points (at least 5: met); the best defense, clip, loses 1.0 " \
-           "(at most 2: met)" in text
-    assert "- sign-flip: the plain mean loses 2.0 points (at least 5: missed, the attack is too weak here); the " \
-           "best defense, median, loses 6.0 (at most 2: missed)" in text
+    assert "- scale: the plain mean loses 18.0 points (loses at least 5: met); the best defense, clip, loses 1.0 " \
+           "points (loses at most 2: met)" in text
+    assert "- sign-flip: the plain mean loses 2.0 points (loses at least 5: missed, the attack is too weak here); " \
+           "the best defense, median, loses 6.0 points (loses at most 2: missed)" in text
+    # scale is the one real attack (the plain mean loses 18); clip's worst case over it is 1 point, median's 4
+    assert "- One defense against every real attack (scale): clip, whose worst case loses 1.0 points (loses at " \
+           "most 2: met); the others' worst: median 4.0" in text
+    rows.append(_row("random", 0.2, "mean", 0.79))
+    rows.append(_row("random", 0.2, "screen", 0.78))
+    text = "\n".join(robustness.report_lines(rows))
+    assert "- random: the plain mean gains 1.0 (loses at least 5: missed, the attack is too weak here); the best " \
+           "defense, screen, loses nothing (loses at most 2: met)" in text
     assert "| 7.90 | 0.8 | 0.7500 | -3.0 |" in text
     assert "not run yet" in "\n".join(robustness.report_lines([_row("scale", 0.2, "mean", 0.6)]))
 
