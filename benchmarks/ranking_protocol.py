@@ -80,10 +80,8 @@ ROWS: dict[str, tuple[str, bool]] = {
     "zofed-averaged-steps48-half-cached": ("zofed", True),  # the head recipe with 48 steps
     "zofed-features-steps96-q4-half-cached": ("zofed", True),
     "zofed-features-steps192-q2-half-cached": ("zofed", True),
-    "zofed-shaped-features-steps192-q2-half-cached": ("zofed", True),  # and feature-shaped noise
     # zofed-shaped-features-cached releasing the mean of the second half's server iterates, as the averaged rows do
     "zofed-shaped-features-avg-cached": ("zofed", True),
-    "zofed-shaped-features-steps192-q2-half-avg-cached": ("zofed", True),
     "hiso": ("hiso", False),
     "fedkseed": ("fedkseed", False),
     "decomfl": ("decomfl", False),
@@ -141,11 +139,8 @@ ROW_OPTIONS = {"zofed-central": [CENTRAL], "zofed-q8": ["zo.queries=8"], "zofed-
                                                          "zo.queries=4", HALF],
                "zofed-features-steps192-q2-half-cached": [*FEATURES_CACHED, "federation.local_steps=192",
                                                           "zo.queries=2", HALF],
-               "zofed-shaped-features-steps192-q2-half-cached": [*FEATURES_CACHED, "federation.local_steps=192",
-                                                                 "zo.queries=2", HALF, SHAPED],
                "zofed-shaped-features-avg-cached": [*FEATURES_CACHED, SHAPED, TAIL_AVERAGE],
-               "zofed-shaped-features-steps192-q2-half-avg-cached": [*FEATURES_CACHED, "federation.local_steps=192",
-                                                                     "zo.queries=2", HALF, SHAPED, TAIL_AVERAGE],
+
                "zofed-averaged-cached": FEATURES_AVERAGED, "hiso-averaged-cached": FEATURES_AVERAGED,
                "zofed-shaped-averaged-cached": [*FEATURES_AVERAGED, SHAPED],
                "zofed-central-averaged-cached": [*FEATURES_AVERAGED, CENTRAL]}
