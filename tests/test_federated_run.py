@@ -1,11 +1,13 @@
 """`zofed run`: a federated run on the in-process engine, its run directory, resume, and config errors."""
 
 import csv
+import io
 import json
 
 import numpy as np
 import pytest
 import torch
+from rich.console import Console
 from safetensors.torch import load_file
 from toy_federation import tiny_federated_config
 from typer.testing import CliRunner
@@ -269,3 +271,12 @@ def test_client_evaluation_reads_a_seeded_sample_of_at_most_the_cap():
     assert not np.array_equal(sample, client_eval_indices(other, 20, seed=0))  # each client its own draw
     assert client_eval_indices(split, None, seed=0) is split.test
     assert client_eval_indices(split, 100, seed=0) is split.test  # a split within the cap is read whole
+
+
+def test_a_run_logged_to_a_file_prints_a_line_per_evaluated_round_and_the_last(tiny_workspace, tmp_path):
+    log = io.StringIO()  # not a terminal: no bar can be drawn, as under nohup or in CI
+    run_federated(_config(tiny_workspace, tmp_path / "run", "federation.eval_every=2"),
+                  console=Console(file=log, width=200))
+    lines = [line for line in log.getvalue().splitlines() if line.startswith("round ")]
+    assert [line.split(" | ")[0] for line in lines] == ["round 2/3", "round 3/3"]
+    assert "eval acc" in lines[0] and "loss" in lines[1]

@@ -156,8 +156,8 @@ class FederatedRun:
         columns = [TextColumn("[bold]federated rounds"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                    TextColumn("{task.fields[status]}")]
         with Progress(*columns, console=console, disable=not show) as progress:
-            bar = progress.add_task("rounds", total=self.config.federation.rounds, completed=self.start_round,
-                                    status="")
+            bar_total = self.config.federation.rounds
+            bar = progress.add_task("rounds", total=bar_total, completed=self.start_round, status="")
 
             def on_round(record: dict) -> None:
                 self.write_round(record)
@@ -171,6 +171,10 @@ class FederatedRun:
                 if record["rejected"]:
                     shown += f" | rejected {len(record['rejected'])}"
                 progress.update(bar, advance=1, status=shown)
+                # A bar needs a terminal: in a log file (nohup, CI) each evaluated round and the last get a line
+                evaluated = "eval_accuracy" in record or "eval_loss" in record
+                if show and not console.is_terminal and (evaluated or record["round"] == bar_total):
+                    console.print(f"round {record['round']}/{bar_total} | {shown}", highlight=False)
 
             with showing_generation(self.setup.task, lambda status: progress.update(bar, status=status)):
                 yield on_round
