@@ -5,7 +5,7 @@ label skew alpha 0.1, 5 a round, the label head, the same client compute as the 
 row there, the zofed variant the ranking chose on validation (`--row` for another) at its tuned lr; one seed, the
 test split. Rows:
 
-- `none`: no attack and no defense (the reference);
+- `none`: no attack and no defense (the reference), and no attack under each defense (what a defense costs);
 - each attack (`sign-flip`, `scale` x100, `random`, `label-flip`, `stale`; fl/attacks.py) at 10% and 20% of the
   clients, under each defense: `mean` (none), `clip` (federation.clip_norm), `trimmed-mean` (trim 0.2),
   `median`, and `screen` (federation.screen_threshold on 32 probe examples);
@@ -116,14 +116,16 @@ def _change(lost: float) -> str:
 
 def _one_defense_lines(mine: dict, clean: float) -> list[str]:
     """A deployment runs one defense for whatever comes: each defense's worst loss over the attacks that are real
-    here (the plain mean loses at least 5 points at 20%), among the defenses run against all of them."""
+    here (the plain mean loses at least 5 points at 20%) and over no attack at all (the defense's own price), among
+    the defenses run in all those cases."""
     real = [a for a in ATTACKS if (a, 0.2, "mean") in mine and 100 * (clean - mine[(a, 0.2, "mean")]) >= 5]
-    worst = {d: max(100 * (clean - mine[(a, 0.2, d)]) for a in real) for d in DEFENSES
-             if d != "mean" and real and all((a, 0.2, d) in mine for a in real)}
+    cases = [(a, 0.2) for a in real] + [("none", 0.0)]
+    worst = {d: max(100 * (clean - mine[(a, f, d)]) for a, f in cases) for d in DEFENSES
+             if d != "mean" and real and all((a, f, d) in mine for a, f in cases)}
     if not worst:
         return []
     best = min(worst, key=worst.get)
-    return [f"- One defense against every real attack ({', '.join(real)}): {best}, whose worst case "
+    return [f"- One defense against no attack and every real attack ({', '.join(real)}): {best}, whose worst case "
             f"{_change(worst[best])} (loses at most 2: {'met' if worst[best] <= 2 else 'missed'}); the others' worst: "
             + ", ".join(f"{d} {worst[d]:.1f}" for d in worst if d != best)]
 
@@ -141,11 +143,10 @@ def report_lines(rows: list[dict]) -> list[str]:
         if clean is None:
             continue
         lines += ["| attack | share | " + " | ".join(DEFENSES) + " |", "|" + "---|" * (len(DEFENSES) + 2)]
-        for attack in ATTACKS:
-            for fraction in FRACTIONS:
-                cells = [mine.get((attack, fraction, d)) for d in DEFENSES]
-                if all(c is None for c in cells):
-                    continue
+        # the first line: what each defense costs when nobody attacks
+        for attack, fraction in [("none", 0.0)] + [(a, f) for a in ATTACKS for f in FRACTIONS]:
+            cells = [mine.get((attack, fraction, d)) for d in DEFENSES]
+            if any(c is not None for c in cells):
                 lines.append(f"| {attack} | {fraction:.0%} | " + " | ".join(
                     "" if c is None else f"{c:.4f} ({100 * (c - clean):+.1f})" for c in cells) + " |")
         lines += ["", "Targets at 20% attackers (points lost against no attack):", ""]
@@ -212,6 +213,7 @@ def main() -> None:
         pending = [(dataset, row, attack, fraction, defense, args.seed, clip) for attack in args.attacks
                    for fraction in args.fractions for defense in args.defenses]
         pending += [(dataset, row, "none", 0.0, f"dp-{eps:g}", args.seed, clip) for eps in args.epsilons]
+        pending += [(dataset, row, "none", 0.0, d, args.seed, clip) for d in args.defenses if d != "mean"]
         pending = [p for p in pending if row_key(*p[:6]) not in table["rows"]]
         print(f"{dataset}, {row}: {len(pending)} runs to do, {args.jobs} at a time (clip norm {clip:.4g})",
               flush=True)

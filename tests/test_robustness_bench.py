@@ -30,17 +30,20 @@ def test_the_report_judges_the_targets_from_the_rows():
     rows = [_row("none", 0.0, "mean", 0.78), _row("scale", 0.2, "mean", 0.60), _row("scale", 0.2, "clip", 0.77),
             _row("scale", 0.2, "median", 0.74), _row("sign-flip", 0.2, "mean", 0.76),
             _row("sign-flip", 0.2, "median", 0.72),
-            _row("none", 0.0, "dp-8", 0.75, dp_epsilon=7.9, dp_noise=0.8)]
+            _row("none", 0.0, "dp-8", 0.75, dp_epsilon=7.9, dp_noise=0.8),
+            _row("none", 0.0, "clip", 0.775), _row("none", 0.0, "median", 0.70)]
     text = "\n".join(robustness.report_lines(rows))
     assert "## agnews, zofed-averaged-cached (client lr 0.003)" in text
+    assert "| none | 0% | 0.7800 (+0.0) | 0.7750 (-0.5) |  | 0.7000 (-8.0) |  |" in text  # a defense's own price
     assert "| scale | 20% | 0.6000 (-18.0) | 0.7700 (-1.0) |  | 0.7400 (-4.0) |  |" in text
     assert "- scale: the plain mean loses 18.0 points (loses at least 5: met); the best defense, clip, loses 1.0 " \
            "points (loses at most 2: met)" in text
     assert "- sign-flip: the plain mean loses 2.0 points (loses at least 5: missed, the attack is too weak here); " \
            "the best defense, median, loses 6.0 points (loses at most 2: missed)" in text
-    # scale is the one real attack (the plain mean loses 18); clip's worst case over it is 1 point, median's 4
-    assert "- One defense against every real attack (scale): clip, whose worst case loses 1.0 points (loses at " \
-           "most 2: met); the others' worst: median 4.0" in text
+    # scale is the one real attack (the plain mean loses 18); clip's worst case over it and no attack is 1 point,
+    # median's 8 (its own price, with no attack)
+    assert "- One defense against no attack and every real attack (scale): clip, whose worst case loses 1.0 points " \
+           "(loses at most 2: met); the others' worst: median 8.0" in text
     rows.append(_row("random", 0.2, "mean", 0.79))
     rows.append(_row("random", 0.2, "screen", 0.78))
     text = "\n".join(robustness.report_lines(rows))
@@ -68,6 +71,8 @@ def test_each_row_runs_the_chosen_zofed_row_with_its_attack_and_defense(tmp_path
     assert config.federation.server_optimizer.name == "sgd"
     clipped = robustness.row_config("agnews", row, "stale", 0.1, "clip", 0, 1.5, tmp_path / "run")
     assert clipped.federation.clip_norm == 1.5 and clipped.federation.aggregator == "mean"
+    priced = robustness.row_config("agnews", row, "none", 0.0, "trimmed-mean", 0, 1.5, tmp_path / "run")
+    assert priced.attack.kind == "none" and priced.federation.aggregator == "trimmed-mean"  # a defense's own price
     private = robustness.row_config("agnews", row, "none", 0.0, "dp-3", 0, 1.5, tmp_path / "run")
     fed = private.federation
     assert private.attack.kind == "none" and fed.clip_norm == 1.5
