@@ -30,7 +30,7 @@ def test_the_report_judges_the_targets_from_the_rows():
     rows = [_row("none", 0.0, "mean", 0.78), _row("scale", 0.2, "mean", 0.60), _row("scale", 0.2, "clip", 0.77),
             _row("scale", 0.2, "median", 0.74), _row("sign-flip", 0.2, "mean", 0.76),
             _row("sign-flip", 0.2, "median", 0.72),
-            _row("none", 0.0, "dp-8", 0.75, dp_epsilon=7.9, dp_noise=0.8),
+            _row("none", 0.0, "dp-8@q0.5", 0.75, dp_epsilon=7.9, dp_noise=0.8, clip_norm=1.25),
             _row("none", 0.0, "clip", 0.775), _row("none", 0.0, "median", 0.70)]
     text = "\n".join(robustness.report_lines(rows))
     assert "## agnews, zofed-averaged-cached (client lr 0.003)" in text
@@ -49,7 +49,7 @@ def test_the_report_judges_the_targets_from_the_rows():
     text = "\n".join(robustness.report_lines(rows))
     assert "- random: the plain mean gains 1.0 (loses at least 5: missed, the attack is too weak here); the best " \
            "defense, screen, loses nothing (loses at most 2: met)" in text
-    assert "| 7.90 | 0.8 | 0.7500 | -3.0 |" in text
+    assert "| 7.90 | 1.25 (0.5) | 0.8 | 0.7500 | -3.0 |" in text
     assert "not run yet" in "\n".join(robustness.report_lines([_row("scale", 0.2, "mean", 0.6)]))
 
 
@@ -73,7 +73,7 @@ def test_each_row_runs_the_chosen_zofed_row_with_its_attack_and_defense(tmp_path
     assert clipped.federation.clip_norm == 1.5 and clipped.federation.aggregator == "mean"
     priced = robustness.row_config("agnews", row, "none", 0.0, "trimmed-mean", 0, 1.5, tmp_path / "run")
     assert priced.attack.kind == "none" and priced.federation.aggregator == "trimmed-mean"  # a defense's own price
-    private = robustness.row_config("agnews", row, "none", 0.0, "dp-3", 0, 1.5, tmp_path / "run")
+    private = robustness.row_config("agnews", row, "none", 0.0, "dp-3@q0.5", 0, 1.5, tmp_path / "run")
     fed = private.federation
     assert private.attack.kind == "none" and fed.clip_norm == 1.5
     assert epsilon_spent(fed.dp_noise, fed.partition.num_clients, fed.clients_per_round, fed.rounds, 1e-5) <= 3.0
