@@ -13,9 +13,11 @@ test split. Rows:
   delta 1e-5 over the run's rounds (solved with the same accountant the run reports with).
 
 The clip norm is calibrated from the reference run's own uplink log: the 90th percentile of the honest clients'
-scalar norms (`--clip-quantile`). Targets (issue 21): at 20% attackers the best defense loses at most 2 points
-against no attack, while the plain mean loses at least 5. Rows are appended to docs/results/robustness.json as
-they finish (two at a time with `--jobs 2 --threads 1`); skipped with a message when ../shared/data is absent.
+scalar norms (`--clip-quantile`); the DP rows clip at their own quantile, the median by default
+(`--dp-clip-quantile`, named in the row: `dp-8@q0.5`). Targets (issue 21): at 20% attackers the best defense
+loses at most 2 points against no attack, while the plain mean loses at least 5. Rows are appended to
+docs/results/robustness.json as they finish (two at a time with `--jobs 2 --threads 1`); skipped with a message
+when ../shared/data is absent.
 """
 
 from __future__ import annotations
