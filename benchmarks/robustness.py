@@ -70,11 +70,11 @@ def noise_for_epsilon(epsilon: float, num_clients: int, per_round: int, rounds: 
     return high
 
 
-def honest_clip_norm(run_dir, quantile: float) -> float:
-    """The `quantile` of the scalar norms the reference run's clients sent (from its uplink log)."""
+def honest_norms(run_dir) -> np.ndarray:
+    """The norms of the scalars the reference run's clients sent (from its uplink log): the clip norms are their
+    quantiles."""
     _, rounds, _ = read_log(run_dir / LOG_NAME)
-    norms = [float(np.linalg.norm(decode(data).grads)) for r in rounds for _, data in r.uplinks]
-    return float(np.quantile(norms, quantile))
+    return np.array([float(np.linalg.norm(decode(data).grads)) for r in rounds for _, data in r.uplinks])
 
 
 def row_config(dataset: str, row: str, attack: str, fraction: float, defense: str, seed: int, clip: float | None,
@@ -216,12 +216,13 @@ def main() -> None:
             reference = [(dataset, row, "none", 0.0, "mean", args.seed, None)]
             record_rows(run_rows(run_one, reference, lambda *a: row_key(*a[:6]), 1, args.threads), table, path,
                         lambda: write_report(table), "")
-        clip = honest_clip_norm(ROOT / table["rows"][key]["run_dir"], args.clip_quantile)
+        norms = honest_norms(ROOT / table["rows"][key]["run_dir"])
+        clip = float(np.quantile(norms, args.clip_quantile))
         pending = [(dataset, row, attack, fraction, defense, args.seed, clip) for attack in args.attacks
                    for fraction in args.fractions for defense in args.defenses]
         # DP's clip trades the bias of clipping against noise sized by it: its own quantile (the honest norms
         # are heavy-tailed, so the attacks' 90th percentile sizes the noise for the few loudest clients)
-        dp_clip = honest_clip_norm(ROOT / table["rows"][key]["run_dir"], args.dp_clip_quantile)
+        dp_clip = float(np.quantile(norms, args.dp_clip_quantile))
         pending += [(dataset, row, "none", 0.0, f"dp-{eps:g}@q{args.dp_clip_quantile:g}", args.seed, dp_clip)
                     for eps in args.epsilons]
         pending += [(dataset, row, "none", 0.0, d, args.seed, clip) for d in args.defenses if d != "mean"]

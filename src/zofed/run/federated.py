@@ -54,23 +54,20 @@ def client_eval_indices(split: ClientSplit, cap: int | None, seed: int) -> np.nd
     return np.sort(rng.choice(split.test, size=cap, replace=False))
 
 
-def per_client_metric(setup: Setup, splits: list[ClientSplit], batch_size: int,
-                      cap: int | None = None) -> tuple[str, list[float]]:
-    """The global model on each client's own held-out examples (personalized evaluation; at most `cap` each): the
-    task's headline metric (accuracy for classification; ROUGE-L for a causal LM that generates,
-    task.generate_eval > 0, else its loss) and its value per client with test examples."""
+def per_client_metric(setup: Setup, held_out: list[np.ndarray], batch_size: int) -> tuple[str, list[float]]:
+    """The global model on each client's own held-out examples (personalized evaluation; `held_out` holds each
+    client's indices into the training data): the task's headline metric (accuracy for classification; ROUGE-L for
+    a causal LM that generates, task.generate_eval > 0, else its loss) and its value per client with examples."""
     task = setup.config.task
     # From the task, not from the results: a federation whose clients hold no test examples still has one.
     metric = "accuracy" if task.type != "causal-lm" else "rougeL" if task.generate_eval > 0 else "loss"
-    seed = setup.config.train.seed
-    results = [setup.task.evaluate(setup.model, setup.train, batch_size, client_eval_indices(s, cap, seed))
-               for s in splits if len(s.test)]
+    results = [setup.task.evaluate(setup.model, setup.train, batch_size, idx) for idx in held_out if len(idx)]
     return metric, [r[metric] for r in results]
 
 
 def per_client_accuracy(setup: Setup, splits: list[ClientSplit], batch_size: int) -> list[float]:
     """Per-client accuracy of a classification task (see per_client_metric)."""
-    metric, values = per_client_metric(setup, splits, batch_size)
+    metric, values = per_client_metric(setup, [s.test for s in splits], batch_size)
     if metric != "accuracy":
         raise ValueError(f"per-client accuracy needs a classification task; this task reports {metric}")
     return values
@@ -186,8 +183,8 @@ class FederatedRun:
         t0 = time.perf_counter()
         test = setup.task.evaluate(setup.model, setup.test, config.train.eval_batch_size)
         test_seconds = time.perf_counter() - t0
-        metric, clients = per_client_metric(setup, self.splits, config.train.eval_batch_size,
-                                            fed.client_eval_examples)
+        held_out = [client_eval_indices(s, fed.client_eval_examples, config.train.seed) for s in self.splits]
+        metric, clients = per_client_metric(setup, held_out, config.train.eval_batch_size)
         setup.task.save_remembered()
         records = self.metrics.read()
         history = [r for r in records if r["event"] == "round"]
@@ -196,8 +193,7 @@ class FederatedRun:
         evaluated = [r[key] for r in history if key in r]
         results = {"test": test, "test_examples": len(setup.test), "method": fed.method, "rounds": fed.rounds,
                    "client_metric": metric, CLIENT_LISTS[metric]: clients,
-                   "client_test_examples": sum(len(client_eval_indices(s, fed.client_eval_examples, config.train.seed))
-                                               for s in self.splits),
+                   "client_test_examples": sum(len(idx) for idx in held_out),
                    f"client_{metric}_mean": float(np.mean(clients)) if clients else None,
                    f"client_{metric}_worst10": worst_decile_mean(clients, metric != "loss") if clients else None,
                    "bytes_up_per_client_round": float(np.mean([r["bytes_up_per_client"] for r in history])),
