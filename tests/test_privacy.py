@@ -5,24 +5,30 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from toy_federation import tiny_federated_config
 
-from zofed.fl.privacy import add_noise, epsilon_spent
-from zofed.fl.protocol import ClientUpdate
+from zofed.fl.privacy import add_noise, client_noise, epsilon_spent, new_secret, server_noise
+from zofed.fl.protocol import ClientUpdate, decode
 from zofed.run.config import ConfigError
 from zofed.run.federated import run_federated
 from zofed.run.replay import replay_run
+from zofed.run.uplink_log import LOG_NAME, read_log
 
 
-def test_the_noise_has_the_clip_norms_scale_and_repeats_from_the_seed():
+def test_the_noise_has_the_clip_norms_scale_and_comes_from_a_secret_not_the_seed():
     update = ClientUpdate(4, 2, np.zeros(0, np.uint64), 5, np.zeros((500, 4), np.float32), 10, {})
-    noised = add_noise(update, 1.5, 2.0, run_seed=0, round_id=4)
+    secret = new_secret()
+    noised = add_noise(update, 1.5, 2.0, server_noise(secret, 4, 2))
     assert noised.grads.dtype == np.float32 and noised.grads.std() == pytest.approx(3.0, rel=0.03)
-    assert np.array_equal(noised.grads, add_noise(update, 1.5, 2.0, 0, 4).grads)  # a run and its replay agree
-    assert not np.array_equal(noised.grads, add_noise(update, 1.5, 2.0, 0, 5).grads)  # each round its own draw
+    # the same secret repeats its noise (a resumed run), each round and client draws anew, each run's secret differs
+    assert np.array_equal(noised.grads, add_noise(update, 1.5, 2.0, server_noise(secret.clone(), 4, 2)).grads)
+    assert not np.array_equal(noised.grads, add_noise(update, 1.5, 2.0, server_noise(secret, 5, 2)).grads)
+    assert not np.array_equal(noised.grads, add_noise(update, 1.5, 2.0, server_noise(secret, 4, 3)).grads)
+    assert not torch.equal(secret, new_secret())
     dense = ClientUpdate(4, 2, np.zeros(0, np.uint64), None, np.zeros((0, 1), np.float32), 10, {},
                          dense=np.zeros(400, np.float32))
-    assert add_noise(dense, 1.0, 1.0, 0, 4).dense.std() == pytest.approx(1.0, rel=0.1)
+    assert add_noise(dense, 1.0, 1.0, client_noise()).dense.std() == pytest.approx(1.0, rel=0.1)
 
 
 def test_epsilon_grows_with_rounds_and_falls_with_noise_and_sampling():
@@ -51,7 +57,17 @@ def test_a_private_run_records_its_epsilon_and_replays(tiny_workspace, tmp_path)
     assert spent == sorted(spent) and spent[0] > 0
     assert spent[-1] == pytest.approx(epsilon_spent(2.0, 4, 2, 3, 1e-5))
     assert results["dp_epsilon"] == spent[-1] and results["dp_delta"] == 1e-5
-    assert replay_run(out).matches  # the server's noise comes from the run seed: the replay adds the same
+    # The log holds the numbers the aggregation read, after clipping and noise: the replay needs no secret, and
+    # the logged scalars are no longer the clients' (clipped to 1, they would have a norm of at most 1).
+    assert replay_run(out).matches
+    header, logged, _ = read_log(out / LOG_NAME)
+    norms = [float(np.linalg.norm(decode(data).grads)) for r in logged for _, data in r.uplinks]
+    assert header["server_noised"] and max(norms) > 1.0
+    # A second run with the same seed noises differently: the noise is not the seed's to repeat
+    again = tmp_path / "again"
+    run_federated(tiny_federated_config(tiny_workspace, again, "federation.method=zo-seeds",
+                                        "federation.clip_norm=1.0", "federation.dp_noise=2.0"), show_progress=False)
+    assert read_log(again / LOG_NAME)[1][0].uplinks != logged[0].uplinks
     with pytest.raises(ConfigError, match="dp_noise needs federation.clip_norm"):
         tiny_federated_config(tiny_workspace, tmp_path / "bad", "federation.dp_noise=1.0")
     with pytest.raises(ConfigError, match="dp_delta is a setting of differential privacy"):
@@ -59,9 +75,6 @@ def test_a_private_run_records_its_epsilon_and_replays(tiny_workspace, tmp_path)
 
 
 def test_local_dp_noises_at_the_client_and_the_server_leaves_the_numbers_be(tiny_workspace, tmp_path):
-    from zofed.fl.protocol import decode
-    from zofed.run.uplink_log import LOG_NAME, read_log
-
     def uplinks(out, *extra):
         run_federated(tiny_federated_config(tiny_workspace, out, "federation.method=zo-seeds", *extra),
                       show_progress=False)
@@ -72,10 +85,34 @@ def test_local_dp_noises_at_the_client_and_the_server_leaves_the_numbers_be(tiny
                     "federation.dp_at=client")
     first = plain[0]  # the first round starts from the same model: the same honest scalars, clipped and noised
     clipped = first.grads * min(1.0, 1e-3 / float(np.linalg.norm(first.grads)))
-    expected = add_noise(ClientUpdate(0, first.client_id, first.seeds, first.base_seed, clipped.astype(np.float32),
-                                      first.num_examples, {}), 2.0, 1e-3, 0, 0).grads
-    assert np.allclose(local[0].grads, expected, atol=1e-6)
+    noise = local[0].grads - clipped
+    # noise of about 2 x 1e-3 on each scalar; a second run's client draws other noise (its own entropy, which
+    # neither the seed nor the server knows)
+    assert 2e-4 < float(np.abs(noise).mean()) < 1e-2 and local[0].grads.shape == first.grads.shape
+    again = uplinks(tmp_path / "again", "federation.clip_norm=1e-3", "federation.dp_noise=2.0",
+                    "federation.dp_at=client")
+    assert not np.array_equal(again[0].grads, local[0].grads)
     assert float(np.linalg.norm(local[0].grads)) > 1e-3  # what the server logged is the noised numbers, unclipped
     assert replay_run(tmp_path / "local").matches
     with pytest.raises(ConfigError, match="dp_at is a setting of differential privacy"):
         tiny_federated_config(tiny_workspace, tmp_path / "bad", "federation.dp_at=client")
+
+
+def test_a_private_run_keeps_its_noise_secret_across_a_resume(tiny_workspace, tmp_path):
+    """Two copies of a run stopped after round 2 resume to the same model: round 3's noise comes from the secret
+    in the checkpoint, not from a new draw (which would make each resumed copy differ)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    private = ("federation.method=zo-seeds", "federation.clip_norm=1.0", "federation.dp_noise=2.0")
+    run_federated(tiny_federated_config(tiny_workspace, tmp_path / "a", *private, "federation.rounds=2"),
+                  show_progress=False)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    finals = []
+    for name in ("a", "b"):
+        run_federated(tiny_federated_config(tiny_workspace, tmp_path / name, *private), resume=True,
+                      show_progress=False)
+        finals.append(load_file(str(tmp_path / name / "final" / "trainable.safetensors")))
+        assert replay_run(tmp_path / name).matches
+    assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])

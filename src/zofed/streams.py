@@ -25,7 +25,8 @@ here, with a tag no other stream can take:
 | attackers               | [run seed, ATTACKERS]                           | which clients attack (attack.fraction)|
 | attack noise            | [run seed, ATTACK_NOISE, round, client]         | a random-scalars attacker's scalars   |
 | probe set               | [run seed, PROBE_SET]                           | the server's screening examples       |
-| DP noise                | [run seed, DP_NOISE, round, client]             | the Gaussian noise on an uplink       |
+| central DP noise        | [4 secret words, DP_NOISE, round, client]       | the server's noise on an uplink (the  |
+|                         |                                                 | secret: fl/privacy.py, not the seed)  |
 
 Tags sit far above any round, client or step index (those are below 2**32), so no two streams of a run meet.
 The data streams are plain integer seeds, kept as they were so existing splits and subsets stay the same: the
@@ -101,5 +102,5 @@ def probe_set(seed: int) -> np.random.Generator:
     return np.random.default_rng([seed, PROBE_SET])
 
 
-def dp_noise(seed: int, round_id: int, client_id: int) -> np.random.Generator:
-    return np.random.default_rng([seed, DP_NOISE, round_id, client_id])
+def dp_noise(secret: list[int], round_id: int, client_id: int) -> np.random.Generator:
+    return np.random.default_rng([*secret, DP_NOISE, round_id, client_id])

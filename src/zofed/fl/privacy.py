@@ -11,22 +11,51 @@ times the directions' spread.
 The privacy spent is accounted with the RDP accountant of Google's `dp-accounting`: each round samples m of the
 N clients without replacement and applies the Gaussian mechanism to the round's clipped numbers. Two datasets are
 neighbours when one client's data is replaced by another's, so one client's numbers move by at most 2C, and the
-mechanism's noise multiplier is sigma / 2. The noise is drawn from the run seed so that a run and its replay
-repeat bit for bit: the guarantee holds against whoever sees the model and not the run's seed (the server's
-config and the uplink log hold it, and the log holds the clients' numbers before noise anyway).
+mechanism's noise multiplier is sigma / 2.
+
+Where the noise comes from decides whom the guarantee holds against. The run seed is no secret (the config and
+the uplink log carry it), so no noise is drawn from it:
+- central DP (`dp_at: server`): from a 128-bit secret the server draws when the run starts and keeps in its
+  checkpoint (a resumed run repeats its noise bit for bit). The uplink log holds each uplink's numbers after
+  clipping and noise, what the aggregation read, so `zofed replay` rebuilds the model without the secret, and
+  the log reveals no more than the model does. The server itself sees the numbers before noise: central DP trusts
+  it.
+- local DP (`dp_at: client`): from the client's own entropy, drawn afresh for every uplink and kept nowhere, so
+  not even the server can take it off. A round redone after a crash gets new noise.
 """
 
 from __future__ import annotations
 
+import secrets
+
+import numpy as np
+import torch
+
 from zofed import streams
 from zofed.fl.protocol import ClientUpdate
 
+SECRET_WORDS = 4  # the server's noise secret as 32-bit words (128 bits), how the checkpoint keeps it
 
-def add_noise(update: ClientUpdate, noise: float, clip_norm: float, run_seed: int, round_id: int) -> ClientUpdate:
-    """The (already clipped) uplink with N(0, (noise x clip_norm)^2) added to each of its numbers."""
+
+def add_noise(update: ClientUpdate, noise: float, clip_norm: float, rng: np.random.Generator) -> ClientUpdate:
+    """The (already clipped) uplink with N(0, (noise x clip_norm)^2) from `rng` added to each of its numbers."""
     values = update.numbers
-    rng = streams.dp_noise(run_seed, round_id, update.client_id)
     return update.with_numbers(values + rng.normal(0.0, noise * clip_norm, size=values.shape))
+
+
+def new_secret() -> torch.Tensor:
+    """A fresh noise secret for a server that adds central DP noise, as the checkpoint keeps it."""
+    return torch.tensor([secrets.randbits(32) for _ in range(SECRET_WORDS)], dtype=torch.int64)
+
+
+def server_noise(secret: torch.Tensor, round_id: int, client_id: int) -> np.random.Generator:
+    """The central noise of one client's uplink in one round: a function of the server's secret alone."""
+    return streams.dp_noise([int(w) for w in secret], round_id, client_id)
+
+
+def client_noise() -> np.random.Generator:
+    """Local DP noise: fresh entropy from the operating system, known to no one else."""
+    return np.random.default_rng()
 
 
 def epsilon_spent(noise: float, num_clients: int, per_round: int, rounds: int, delta: float) -> float:

@@ -28,7 +28,7 @@ from zofed.fl.client import ClientContext, load_tensors_
 from zofed.fl.methods import get_method
 from zofed.fl.plan import FederationPlan, LocalTraining
 from zofed.fl.pooled import PooledTerms, RoundSteps
-from zofed.fl.privacy import add_noise
+from zofed.fl.privacy import add_noise, client_noise, new_secret, server_noise
 from zofed.fl.protocol import ClientUpdate, ServerBroadcast, decode, encode
 from zofed.fl.server import RoundInbox, broadcast, rebuild_client_update, receive, unflatten
 from zofed.fl.server_opt import ServerOptimizer, make_server_optimizer
@@ -69,6 +69,10 @@ class ServerRole:
         self.dp_at_clients = dp_at_clients  # the clients clip and noise their own numbers: the server leaves them be
         if dp_noise is not None and clip_norm is None:
             raise ValueError("differential privacy needs a clip norm: the noise is sized by it")
+        # central DP: the secret the noise is drawn from (privacy.py), kept in the checkpoint and nowhere else
+        self.dp_secret = new_secret() if dp_noise is not None and not dp_at_clients else None
+        # replaying a private run's log: its uplinks hold the numbers after clipping and noise, to take as they are
+        self.replaying_noised_log = False
         self.last_screened = 0  # uplinks the last aggregate refused on their score
         self.received: list[tuple[int, bytes]] = []  # this round's accepted uplinks as they arrived (the run log)
         self.last_received: list[tuple[int, bytes]] = []  # ... and the last aggregated round's
@@ -138,13 +142,16 @@ class ServerRole:
         A round with no accepted update keeps the model."""
         times = [time.perf_counter()]
         self.last_clipped = 0
-        if self.clip_norm is not None and not self.dp_at_clients:  # before anything reads the numbers
+        server_clips = self.clip_norm is not None and not self.dp_at_clients and not self.replaying_noised_log
+        if server_clips:  # before anything reads the numbers
             clipped = [clip_update(u, self.clip_norm) for u in inbox.accepted]
             inbox.accepted[:] = [u for u, _ in clipped]
             self.last_clipped = sum(hit for _, hit in clipped)
-        if self.dp_noise is not None and not self.dp_at_clients:  # after clipping, before anything reads them
-            inbox.accepted[:] = [add_noise(u, self.dp_noise, self.clip_norm, self.plan.run_seed, local.round_id)
+        if server_clips and self.dp_secret is not None:  # after clipping, before anything reads them
+            inbox.accepted[:] = [add_noise(u, self.dp_noise, self.clip_norm,
+                                           server_noise(self.dp_secret, local.round_id, u.client_id))
                                  for u in inbox.accepted]
+            self.received = [(u.client_id, encode(u)) for u in inbox.accepted]  # the log keeps the noised numbers
         self.last_screened = 0
         if self.screen is not None and inbox.accepted:
             self._screen(local, inbox)
@@ -206,6 +213,8 @@ class ServerRole:
         if self.average is not None:
             state["average"] = {"count": torch.tensor([self.averaged], dtype=torch.int64),
                                 **{f"t.{i}": t.contiguous() for i, t in enumerate(self.average)}}
+        if self.dp_secret is not None:
+            state["privacy"] = {"secret": self.dp_secret}
         return state
 
     def load_state(self, tensors: Sequence[torch.Tensor], state: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -217,6 +226,8 @@ class ServerRole:
         average = state.get("average")
         self.averaged = 0 if average is None else int(average["count"][0])
         self.average = None if average is None else [average[f"t.{i}"].clone() for i in range(len(self.tensors))]
+        if self.dp_secret is not None and "privacy" in state:  # (a checkpoint from before the secret: a new one)
+            self.dp_secret = state["privacy"]["secret"].clone()
 
 
 class ClientRole:
@@ -249,7 +260,7 @@ class ClientRole:
         if not attacking:
             if self.local_dp is not None:  # local DP: the numbers leave the client clipped and noised
                 clip_norm, noise = self.local_dp
-                update = add_noise(clip_update(update, clip_norm)[0], noise, clip_norm, local.run_seed, local.round_id)
+                update = add_noise(clip_update(update, clip_norm)[0], noise, clip_norm, client_noise())
             return encode(update)
         if self.attack.kind == "stale":
             honest = encode(update)

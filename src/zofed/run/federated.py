@@ -297,7 +297,7 @@ def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Conso
     elif start_round == 0:
         log = UplinkLog.start(out / LOG_NAME, config_text=config_yaml(config), num_clients=len(splits),
                               num_classes=len(setup.label_names) if setup.label_names else None,
-                              start_tensors=server.tensors)
+                              start_tensors=server.tensors, server_noised=server.dp_secret is not None)
     else:
         log = UplinkLog.resume(out / LOG_NAME, start_round)
     run = FederatedRun(config, out, setup, splits, plan, server, metrics, start_round, watch, log)

@@ -57,6 +57,11 @@ def replay_run(run_dir: str | Path) -> Replay:
                        "logged: another model, or other weights under the same name")
     cache = prefix_cache(config, model, trainable)
     server = make_server(config, trainable, int(header["num_clients"]), cache.fraction if cache else 1.0)
+    if server.dp_secret is not None:  # central DP: the log holds the numbers the aggregation read, noise included
+        if not header.get("server_noised"):
+            raise LogError(f"{run_dir / LOG_NAME} holds a private run's uplinks before the server's noise (written "
+                           "by a zofed that drew the noise from the run seed): it cannot be replayed")
+        server.replaying_noised_log = True
     count = 0
     for logged in rounds:
         round_id = logged.round - 1

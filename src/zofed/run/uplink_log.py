@@ -5,9 +5,11 @@ server's sampling, each client's state and the aggregation are all derived from 
 those, append-only, one JSON line each:
 
 - line 1, the header: the run's config (as its `config.yaml` holds it), the numbers of clients and classes (all
-  the server needs of the data) and the SHA-256 of the starting trainable tensors;
+  the server needs of the data), the SHA-256 of the starting trainable tensors and whether the server added
+  differential-privacy noise (`server_noised`);
 - then one line per round: the round, the SHA-256 of the line before it, each accepted uplink's bytes (base64)
-  with its client, and the rejected uplinks' reasons.
+  with its client, and the rejected uplinks' reasons. Under central DP an uplink's bytes are its numbers after
+  the server's clipping and noise, as the aggregation read them (fl/privacy.py): never the client's own.
 
 `zofed replay RUN_DIR` (run/replay.py) rebuilds the final model from the log alone: a third party can verify
 what a federation trained without any client's data. Changing any byte of a line breaks the next line's hash.
@@ -59,9 +61,10 @@ class UplinkLog:
 
     @classmethod
     def start(cls, path: Path, *, config_text: str, num_clients: int, num_classes: int | None,
-              start_tensors: Sequence[torch.Tensor]) -> UplinkLog:
+              start_tensors: Sequence[torch.Tensor], server_noised: bool = False) -> UplinkLog:
         header = _line({"format": FORMAT, "config": config_text, "num_clients": num_clients,
-                        "num_classes": num_classes, "start_sha256": tensors_sha256(start_tensors)})
+                        "num_classes": num_classes, "start_sha256": tensors_sha256(start_tensors),
+                        "server_noised": server_noised})
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(header + "\n")
         tmp.replace(path)
