@@ -8,7 +8,8 @@ test split. Rows:
 - `none`: no attack and no defense (the reference), and no attack under each defense (what a defense costs);
 - each attack (`sign-flip`, `scale` x100, `random`, `label-flip`, `stale`; fl/attacks.py) at 10% and 20% of the
   clients, under each defense: `mean` (none), `clip` (federation.clip_norm), `trimmed-mean` (trim 0.2),
-  `median`, and `screen` (federation.screen_threshold on 32 probe examples);
+  `median`, `screen` (federation.screen_threshold 0.1 on 32 probe examples: each update's own loss change) and
+  `screen-loo` (threshold 0 on the leave-one-out score: what each update does to the round's mean);
 - differential privacy (federation.dp_noise with clip_norm) with the noise that spends epsilon 1, 3 and 8 at
   delta 1e-5 over the run's rounds (solved with the same accountant the run reports with).
 
@@ -47,7 +48,8 @@ from zofed.run.uplink_log import LOG_NAME, read_log
 ATTACKS = ["sign-flip", "scale", "random", "label-flip", "stale"]
 FRACTIONS = [0.1, 0.2]
 DEFENSES = {"mean": [], "clip": ["clip"], "trimmed-mean": ["federation.aggregator=trimmed-mean", "federation.trim=0.2"],
-            "median": ["federation.aggregator=median"], "screen": ["federation.screen_threshold=0.1"]}
+            "median": ["federation.aggregator=median"], "screen": ["federation.screen_threshold=0.1"],
+            "screen-loo": ["federation.screen_threshold=0", "federation.screen_score=leave-one-out"]}
 EPSILONS = [1.0, 3.0, 8.0]
 DELTA = 1e-5
 TRAINABLE, BUDGET, ALPHA = "head", 1000.0, 0.1

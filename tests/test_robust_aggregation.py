@@ -235,6 +235,9 @@ def test_a_screened_run_records_what_it_refused_and_replays(tiny_workspace, tmp_
     refused = run(tmp_path / "all", "federation.screen_threshold=-1e9")  # every update raises the loss by more
     assert [(r["screened"], r["accepted"], len(r["rejected"])) for r in refused] == [(2, 0, 2)] * 3
     assert replay_run(tmp_path / "all").matches
+    # leave-one-out refuses one client after another until none is left above the threshold
+    refused = run(tmp_path / "loo", "federation.screen_threshold=-1e9", "federation.screen_score=leave-one-out")
+    assert [(r["screened"], r["accepted"]) for r in refused] == [(2, 0)] * 3
     passed = run(tmp_path / "none", "federation.screen_threshold=1e9", "federation.screen_examples=8")
     assert [(r["screened"], r["accepted"]) for r in passed] == [(0, 2)] * 3
     run(tmp_path / "plain")
@@ -245,3 +248,35 @@ def test_a_screened_run_records_what_it_refused_and_replays(tiny_workspace, tmp_
     assert all(torch.equal(a[k], b[k]) for k in a)  # a screen that passes everything changes nothing
     with pytest.raises(ConfigError, match="screen_examples is a setting of screening"):
         tiny_federated_config(tiny_workspace, tmp_path / "bad", "federation.screen_examples=8")
+    with pytest.raises(ConfigError, match="screen_score is a setting of screening"):
+        tiny_federated_config(tiny_workspace, tmp_path / "bad", "federation.screen_score=leave-one-out")
+
+
+def test_leave_one_out_screening_refuses_what_pulls_the_rounds_mean_away_and_keeps_skewed_honest_clients():
+    """A quadratic probe loss around a target: three honest clients each move along one axis of their own and
+    overshoot it (label skew: alone, each raises the balanced loss; their mean lands on the target), one sends a
+    sign flip of an honest update, one a scaled one. Alone, every honest update raises the loss and would be
+    refused at threshold 0; leave-one-out refuses both liars and keeps every honest client, calling the loss a
+    bounded number of times."""
+    from zofed.run.screening import alone_scores, leave_one_out_scores
+
+    target = torch.tensor([1.0, 1.0, 1.0])
+    calls = []
+
+    def loss_of(tensors):
+        calls.append(1)
+        return float(((tensors[0] - target) ** 2).sum())
+
+    start = [torch.zeros(3)]
+    honest = [[torch.tensor([3.0, 0.0, 0.0])], [torch.tensor([0.0, 3.0, 0.0])], [torch.tensor([0.0, 0.0, 3.0])]]
+    flipped = [-honest[0][0]]
+    scaled = [honest[1][0] * 100]
+    updates = [*honest, flipped, scaled]
+    alone = alone_scores(loss_of, start, updates)
+    assert all(a > 0.0 for a in alone)
+    scores = leave_one_out_scores(loss_of, start, updates, threshold=0.0)
+    assert [s > 0.0 for s in scores] == [False, False, False, True, True]
+    assert len(calls) - len(updates) - 1 <= 5 * 6 // 2 + 5
+    clean = leave_one_out_scores(loss_of, start, honest, threshold=0.0)
+    assert all(s <= 0.0 for s in clean)  # nothing to refuse among honest clients alone
+    assert leave_one_out_scores(loss_of, start, [], threshold=0.0) == []

@@ -111,6 +111,8 @@ class FederationSection(_Section):
     # this is refused, as a rejected uplink. None: no screening.
     screen_threshold: float | None = None
     screen_examples: int = Field(32, ge=1)  # the probe examples (a seeded sample of the training data)
+    # alone: the loss change an update causes by itself; leave-one-out: the change it causes to the round's mean
+    screen_score: Literal["alone", "leave-one-out"] = "alone"
     # Client-level differential privacy (fl/privacy.py): every clipped uplink gets Gaussian noise of dp_noise x
     # clip_norm on each number; each round records the epsilon spent so far for dp_delta. None: no noise.
     dp_noise: float | None = Field(None, gt=0)
@@ -159,10 +161,10 @@ class FederationSection(_Section):
         return self
 
     @model_validator(mode="after")
-    def _screen_examples_only_when_screening(self) -> FederationSection:
-        if self.screen_threshold is None and self.screen_examples != FederationSection.model_fields[
-                "screen_examples"].default:
-            raise ValueError("federation.screen_examples is a setting of screening: set federation.screen_threshold")
+    def _screen_settings_only_when_screening(self) -> FederationSection:
+        for key in ("screen_examples", "screen_score"):
+            if self.screen_threshold is None and getattr(self, key) != FederationSection.model_fields[key].default:
+                raise ValueError(f"federation.{key} is a setting of screening: set federation.screen_threshold")
         return self
 
     @model_validator(mode="after")
