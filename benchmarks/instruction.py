@@ -281,16 +281,19 @@ def write_report(table: dict, out: Path) -> None:
     for (budget, test, tokens, curve_tokens), by_row in groups.items():
         lines += [f"## Budget {budget:,.0f} forward passes; test {test} examples, answers up to {tokens} tokens "
                   f"(curves: {curve_tokens})", "",
-                  "| row | seeds | test ROUGE-L (mean ± std) | test loss | subset ROUGE-L round 0 → end | rounds "
-                  "| forward passes | uplink bytes / client / round | s / round (train) |", "|" + "---|" * 9]
+                  "| row | seeds | test ROUGE-L (mean ± std) | test loss | subset ROUGE-L round 0 → end | subset loss "
+                  "round 0 → end | rounds | forward passes | uplink bytes / client / round | s / round (train) |",
+                  "|" + "---|" * 10]
         for name, rs in by_row.items():
             score, spread = mean_std([r["test_rougeL"] for r in rs])
             loss = np.mean([r["test_loss"] for r in rs])
             if name == ZERO_SHOT:
-                lines.append(f"| {name} | - | {score:.2f} | {loss:.3f} | - | 0 | 0 | 0 | - |")
+                lines.append(f"| {name} | - | {score:.2f} | {loss:.3f} | - | - | 0 | 0 | 0 | - |")
                 continue
             start, end = (float(np.mean(points([r["curve"][i][3] for r in rs]))) for i in (0, -1))
+            loss_start, loss_end = (float(np.mean([r["curve"][i][4] for r in rs])) for i in (0, -1))
             lines.append(f"| {name} | {len(rs)} | {score:.2f} ± {spread:.2f} | {loss:.3f} | {start:.2f} → {end:.2f} "
+                         f"| {loss_start:.3f} → {loss_end:.3f} "
                          f"| {rs[0]['rounds']} | {rs[0]['forward_passes']:,.0f} "
                          f"| {rs[0]['bytes_up_per_client_round']:,.0f} "
                          f"| {np.mean([r['seconds_per_round'] for r in rs]):.0f} |")

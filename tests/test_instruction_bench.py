@@ -42,7 +42,8 @@ def _row(row: str, seed: int, score: float) -> dict:
     return {"row": row, "method": instruction.ROWS[row], "seed": seed, "lr": instruction.LRS[row], "budget": 360.0,
             "rounds": rounds, "forward_passes": passes, "test_rougeL": score, "test_loss": 2.0, "test_examples": 160,
             "max_new_tokens": 128, "curve_tokens": 64, "bytes_up_per_client_round": 100.0,
-            "curve": [[0.0, 0.0, 0, 0.2, 2.0], [passes, 100.0 * rounds, rounds, score, 2.0]], "seconds_per_round": 90.0,
+            "curve": [[0.0, 0.0, 0, 0.2, 2.0], [passes, 100.0 * rounds, rounds, score, 2.0 - score]],
+            "seconds_per_round": 90.0,
             "setup_seconds": 30.0, "curve_eval_seconds": 30.0, "final_eval_seconds": 200.0, "torch_threads": 1}
 
 
@@ -66,4 +67,5 @@ def test_the_report_checks_both_targets_from_the_rows(tmp_path):
     table = {"meta": {"machine": "test"}, "rows": {str(i): r for i, r in enumerate(rows)}}
     instruction.write_report(table, tmp_path)
     report = (tmp_path / "instruction.md").read_text()
-    assert "| fedavg-lora | 3 | 29.00 ± 1.00 |" in report and (tmp_path / "instruction_b360.png").is_file()
+    assert "| fedavg-lora | 3 | 29.00 ± 1.00 | 2.000 | 20.00 → 29.00 | 2.000 → 1.710 | 10 |" in report
+    assert (tmp_path / "instruction_b360.png").is_file()
