@@ -49,9 +49,10 @@ bench-calibrate: setup
 bench-ranking: setup
 	$(PY) benchmarks/ranking.py --phase tune
 
-# Instruction tuning on federated Dolly/Alpaca at equal client compute (ROUGE-L); ARGS e.g. --jobs 2 --threads 1
+# Instruction tuning on federated Dolly/Alpaca at equal client compute (ROUGE-L): each row's lr tuned on validation
+# loss, then the finals at the chosen lrs; ARGS e.g. --jobs 2 --threads 1
 bench-instruction: setup
-	$(PY) benchmarks/instruction.py $(ARGS)
+	$(PY) benchmarks/instruction.py --phase tune $(ARGS) && $(PY) benchmarks/instruction.py $(ARGS)
 
 # zofed's defenses against lying clients and the accuracy privacy costs (docs/security.md); ARGS as above
 bench-robustness: setup

@@ -36,10 +36,10 @@ def test_skips_with_a_message_without_the_shared_data(tmp_path):
     assert not (tmp_path / "out" / "instruction.json").exists()
 
 
-def _row(row: str, seed: int, score: float) -> dict:
+def _row(row: str, seed: int, score: float, lr: float = 1e-2) -> dict:
     rounds = instruction.rounds_for(row, 360)
     passes = rounds * instruction.PER_ROUND * instruction.per_client_round_cost(row)
-    return {"row": row, "method": instruction.ROWS[row], "seed": seed, "lr": instruction.LRS[row], "budget": 360.0,
+    return {"row": row, "method": instruction.ROWS[row], "seed": seed, "lr": lr, "budget": 360.0,
             "rounds": rounds, "forward_passes": passes, "test_rougeL": score, "test_loss": 2.0, "test_examples": 160,
             "max_new_tokens": 128, "curve_tokens": 64, "bytes_up_per_client_round": 100.0,
             "curve": [[0.0, 0.0, 0, 0.2, 2.0], [passes, 100.0 * rounds, rounds, score, 2.0 - score]],
@@ -47,9 +47,36 @@ def _row(row: str, seed: int, score: float) -> dict:
             "setup_seconds": 30.0, "curve_eval_seconds": 30.0, "final_eval_seconds": 200.0, "torch_threads": 1}
 
 
+def _tuned(row: str, lr: float, loss: float) -> dict:
+    return {"phase": "tune", "row": row, "method": instruction.ROWS[row], "seed": 0, "lr": lr, "budget": 360.0,
+            "validation_loss": loss}
+
+
+def test_tuning_chooses_each_rows_lowest_validation_loss_and_finals_need_it(tmp_path):
+    rows = [_tuned("zofed", 1e-3, 2.10), _tuned("zofed", 1e-2, 2.05), _tuned("zofed", 1e-1, 2.30),
+            _tuned("fedkseed", 1e-3, 2.11), _tuned("fedkseed", 1e-2, 2.12),
+            {**_tuned("zofed", 1e-3, 1.0), "budget": 720}]
+    assert instruction.chosen_lrs(rows, 360.0) == {"zofed": 1e-2, "fedkseed": 1e-3}
+    assert instruction.chosen_lrs(rows, 720.0) == {"zofed": 1e-3}
+    # a final run at an lr its tuning did not choose is kept in the table but not compared
+    finals = [_row("zofed", 0, 0.33, lr=1e-2), _row("zofed", 0, 0.40, lr=1e-3), _row("fedkseed", 0, 0.31, lr=1e-3)]
+    groups = instruction.settings(rows + finals)[(360.0, 160, 128, 64)]
+    assert [r["test_rougeL"] for r in groups["zofed"]] == [0.33] and [r["lr"] for r in groups["fedkseed"]] == [1e-3]
+    text = "\n".join(instruction.tuning_lines(rows[:-1]))
+    assert "| zofed | 2.1000 | **2.0500** | 2.3000 |" in text and "| fedkseed | **2.1100** | 2.1200 |  |" in text
+    assert "Grid points not run yet: zo-seeds (0.001, 0.01, 0.1); fedkseed (0.1); decomfl" in text
+
+    tune = instruction.make_config("zofed", 0, 360.0, (None, 0, 0), tmp_path / "t", 1e-2, "tune")
+    assert (tune.data.evaluate_on, tune.data.validation_examples, tune.task.generate_eval) == ("validation", 100, 0)
+    assert tune.optimizer.lr == 1e-2 and tune.federation.rounds == tune.federation.eval_every == 15
+    final = instruction.make_config("fedavg-lora", 1, 360.0, (None, 128, 64), tmp_path / "f", 1e-4)
+    assert (final.data.evaluate_on, final.task.generate_eval, final.federation.first_order_lr) == ("test", 160, 1e-4)
+
+
 def test_the_report_checks_both_targets_from_the_rows(tmp_path):
     rows = [{"row": "zero-shot", "method": None, "test_rougeL": 0.30, "test_loss": 2.1, "test_examples": 160,
              "max_new_tokens": 128}]
+    rows += [_tuned(name, 1e-2, 2.0) for name in ("zofed", "fedkseed", "fedavg-lora")]
     rows += [_row("zofed", s, v) for s, v in enumerate([0.32, 0.34, 0.33])]
     rows += [_row("fedkseed", s, v) for s, v in enumerate([0.31, 0.31, 0.32])]
     rows += [_row("fedavg-lora", s, v) for s, v in enumerate([0.29, 0.30, 0.28])]
@@ -59,7 +86,7 @@ def test_the_report_checks_both_targets_from_the_rows(tmp_path):
     assert "zofed 33.00, FedKSeed 31.33, difference +1.67: met, 0.67 points above the bar" in lines
     assert "paired over seeds [0, 1, 2]: +1.67" in lines and "both spent 360 forward passes" in lines
 
-    close = [r for r in rows if r["row"] in ("zero-shot", "zofed")]
+    close = [r for r in rows if r["row"] in ("zero-shot", "zofed") or r.get("phase") == "tune"]
     close += [_row("fedkseed", s, v) for s, v in enumerate([0.32, 0.32, 0.33])]
     lines = "\n".join(instruction.target_lines(instruction.settings(close)[(360.0, 160, 128, 64)]))
     assert "at or above zero-shot (30.00): met" in lines and "difference +0.67: missed by 0.33 points" in lines
