@@ -130,7 +130,7 @@ def _one_defense_lines(mine: dict, clean: float) -> list[str]:
     if not worst:
         return []
     best = min(worst, key=worst.get)
-    others = ", ".join(f"{d} {worst[d]:.1f}" for d in worst if d != best)
+    others = ", ".join(f"{d} {_change(worst[d])}" for d in worst if d != best)
     return [f"- One defense against no attack and every real attack ({', '.join(real)}): {best}, whose worst case "
             f"{_change(worst[best])} (loses at most 2: {'met' if worst[best] <= 2 else 'missed'})"
             + (f"; the others' worst: {others}" if others else "; no other defense has run in all those cases")]

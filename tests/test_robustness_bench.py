@@ -43,7 +43,7 @@ def test_the_report_judges_the_targets_from_the_rows():
     # scale is the one real attack (the plain mean loses 18); clip's worst case over it and no attack is 1 point,
     # median's 8 (its own price, with no attack)
     assert "- One defense against no attack and every real attack (scale): clip, whose worst case loses 1.0 points " \
-           "(loses at most 2: met); the others' worst: median 8.0" in text
+           "(loses at most 2: met); the others' worst: median loses 8.0 points" in text
     rows.append(_row("random", 0.2, "mean", 0.79))
     rows.append(_row("random", 0.2, "screen", 0.78))
     text = "\n".join(robustness.report_lines(rows))
