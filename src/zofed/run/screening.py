@@ -7,9 +7,11 @@ Two scores (`federation.screen_score`):
   probe set by itself, and a sign-flipped one may lower it: the score cannot tell them apart there.
 - `leave-one-out`: what the client's update does to the round, loss(global + mean of the kept updates) -
   loss(global + the same mean without it). The worst client above the threshold is refused and the rest scored
-  again, until every kept update's score is at or below it: at most m(m+1)/2 + m passes for m clients (20 for 5),
-  usually m + 1 per pass over the kept ones. An update that pulls the round's mean away from what the others
-  agree on scores high whatever its size or sign.
+  again, until every kept update's score is at or below it: m + 1 probe passes a scoring, at most m(m+1)/2 + m
+  for m clients (20 for 5). An update that pulls the round's mean away from what the others agree on scores high,
+  unless another liar in the round pulls the same way: leaving one of two out still leaves the other. Measured
+  on the robustness benchmark, a zero threshold refused half of the honest uplinks and let colluding scaled
+  attackers through (docs/security.md): it needs a threshold above the honest scores' noise and clipping first.
 
 The guard is against updates that push the model somewhere harmful, whatever their size; it needs no assumption
 about how many clients lie. In a simulation the probe set is a seeded sample of the training data, standing in for
