@@ -13,12 +13,12 @@ Protocol (the instruction-tuning issue):
   forwards), summed over the federation, the same for every row; each method counts its own cost, so a row's
   rounds = budget // (3 clients x its per-client round cost): 8 passes for a ZO method (4 steps x 2 passes), 12
   for FedAvg (4 steps x a forward and a backward). The run's own count is checked against the plan.
-- Client lrs, tuned (`--phase tune`): every row runs each lr of its grid (`GRIDS`: the ZO rows' MeZO lr, FedAvg's
-  AdamW lr) at the same budget on seed 0, scored by the loss on the responses of a validation split carved from
-  the training data (`VALIDATION` records, held out of every client; no generation, and never the test set); each
-  row's finals (`--phase final`, the default) run at the lr with the lowest validation loss. Every server
-  optimizer is its method's default (zofed: adam with one global second moment and relative steps; the
-  baselines: plain averaging).
+- Step sizes, tuned (`--phase tune`): every row runs each point of its grid (`GRIDS`: three points along the lever
+  that sets its step, a client lr or a server lr) at the same budget on seed 0, scored by the loss on the responses
+  of a validation split carved from the training data (`VALIDATION` records, held out of every client; no
+  generation, and never the test set); each row's finals (`--phase final`, the default) run at the point with the
+  lowest validation loss. Every server optimizer is its method's default (zofed: adam with one global second
+  moment and relative steps; the baselines: plain averaging), its lr times the point's factor.
 - Evaluation: ROUGE-L F1 (rouge-score, stemmed) of greedy generations, reported in points (x100). The curves:
   a fixed 40-example subset of the test set (drawn per seed, `data.eval_examples`), about 6 times a run, each
   answer at most `--curve-tokens` new tokens; the final test: all 160 examples, at most `--max-new-tokens`
@@ -75,11 +75,16 @@ ZERO_SHOT = "zero-shot"
 # row -> federation.method (None: no training)
 ROWS: dict[str, str | None] = {ZERO_SHOT: None, "zofed": "zofed", "zo-seeds": "zo-seeds", "fedkseed": "fedkseed",
                                "decomfl": "decomfl", "fedavg-lora": "fedavg"}
-# The client lrs each row is tuned over: optimizer.lr of the ZO rows (MeZO steps on LoRA), federation.first_order_lr
-# of FedAvg (AdamW). At 1e-3 a zofed run's subset loss moved by 6e-5 in three rounds: the ZO grid reaches far higher.
-ZO_GRID = [1e-3, 1e-2, 1e-1]
-GRIDS = {"zofed": ZO_GRID, "zo-seeds": ZO_GRID, "fedkseed": ZO_GRID, "decomfl": ZO_GRID,
-         "fedavg-lora": [1e-4, 1e-3, 1e-2]}
+# The (client lr, server lr factor) points each row is tuned on: three along the lever that sets its step. The client
+# lr is optimizer.lr for the ZO rows (MeZO steps on LoRA), federation.first_order_lr for FedAvg (AdamW); the factor
+# multiplies the method's default server lr. The plain-averaging rows step by their client lr. zofed's server
+# normalizes the round's update (adam, relative steps), so its step is set by the server lr alone: at client lr 1e-3
+# and 1e-2 under the default server lr its validation subset's loss moved by 6e-5 and 5e-5 over the run.
+Point = tuple[float, float]
+PLAIN_GRID = [(1e-3, 1.0), (1e-2, 1.0), (1e-1, 1.0)]
+GRIDS: dict[str, list[Point]] = {"zofed": [(1e-2, 1.0), (1e-2, 10.0), (1e-2, 100.0)], "zo-seeds": PLAIN_GRID,
+                                 "fedkseed": PLAIN_GRID, "decomfl": PLAIN_GRID,
+                                 "fedavg-lora": [(1e-4, 1.0), (1e-3, 1.0), (1e-2, 1.0)]}
 VALIDATION = 100  # training records held out to tune on (data.validation_examples): 200 took 6 min to score
 TUNE, FINAL = "tune", "final"
 COMMON = ["model.name=smollm2-135m", "data.source=shared:dolly", "task.type=causal-lm", f"task.max_length={MAX_LENGTH}",
@@ -108,20 +113,25 @@ def rounds_for(row: str, budget: float) -> int:
     return max(1, int(budget // (PER_ROUND * per_client_round_cost(row))))
 
 
-def row_key(row: str, seed: int, budget: float, evalset: tuple[int | None, int, int], lr: float | None = None,
+def _point_key(point: Point) -> str:
+    lr, factor = point
+    return f"{lr:g}" if factor == 1.0 else f"{lr:g}|x{factor:g}"
+
+
+def row_key(row: str, seed: int, budget: float, evalset: tuple[int | None, int, int], point: Point | None = None,
             phase: str = FINAL) -> str:
-    """A row's key in the table (and its run directory): what makes its numbers, the client lr included."""
+    """A row's key in the table (and its run directory): what makes its numbers, the tuned point included."""
     if phase == TUNE:
-        return f"{TUNE}|{row}|{seed}|{lr:g}|{budget:g}|val{VALIDATION}"
+        return f"{TUNE}|{row}|{seed}|{_point_key(point)}|{budget:g}|val{VALIDATION}"
     test, tokens, curve = evalset
     scored = f"test{test or TEST_SIZE}|new{tokens}"
     if ROWS[row] is None:
         return f"{row}|{scored}"  # no seed, lr or budget changes the starting model's answers
-    return f"{row}|{seed}|{lr:g}|{budget:g}|{scored}|curve{curve}"
+    return f"{row}|{seed}|{_point_key(point)}|{budget:g}|{scored}|curve{curve}"
 
 
 def make_config(row: str, seed: int, budget: float, evalset: tuple[int | None, int, int], out: Path,
-                lr: float | None = None, phase: str = FINAL) -> FederatedConfig:
+                point: Point | None = None, phase: str = FINAL) -> FederatedConfig:
     test, tokens, curve = evalset
     method = ROWS[row]
     overrides = [*COMMON, f"train.seed={seed}", f"out_dir={out}", *([f"data.test_examples={test}"] if test else [])]
@@ -134,26 +144,34 @@ def make_config(row: str, seed: int, budget: float, evalset: tuple[int | None, i
     else:
         overrides += [f"task.max_new_tokens={tokens}", f"task.curve_max_new_tokens={curve}"]
     rounds = rounds_for(row, budget)
+    lr, factor = point
+    server = get_method(method).server_default
     lr_key = "federation.first_order_lr" if get_method(method).first_order else "optimizer.lr"
     every = rounds if phase == TUNE else max(1, rounds // 5)  # a tune run is judged at its end alone
     return load_config(None, [*overrides, *METHOD_OPTIONS.get(method, []), f"federation.method={method}",
-                              f"{lr_key}={lr}", f"federation.rounds={rounds}", f"federation.eval_every={every}"],
+                              f"{lr_key}={lr}", f"federation.server_optimizer.name={server.name}",
+                              f"federation.server_optimizer.lr={server.lr * factor}", f"federation.rounds={rounds}",
+                              f"federation.eval_every={every}"],
                        schema=FederatedConfig)
 
 
-def tune_runs(rows: list[dict], budget: float) -> dict[str, dict[float, list[dict]]]:
-    """The tune phase's runs at `budget`: row -> lr -> its runs (one per seed)."""
-    grid: dict[str, dict[float, list[dict]]] = {}
+def point_of(row: dict) -> Point:
+    return row["lr"], row.get("server_factor", 1.0)
+
+
+def tune_runs(rows: list[dict], budget: float) -> dict[str, dict[Point, list[dict]]]:
+    """The tune phase's runs at `budget`: row -> point -> its runs (one per seed)."""
+    grid: dict[str, dict[Point, list[dict]]] = {}
     for r in rows:
         if r.get("phase") == TUNE and r["budget"] == budget:
-            grid.setdefault(r["row"], {}).setdefault(r["lr"], []).append(r)
+            grid.setdefault(r["row"], {}).setdefault(point_of(r), []).append(r)
     return grid
 
 
-def chosen_lrs(rows: list[dict], budget: float) -> dict[str, float]:
-    """Each tuned row's lr with the lowest mean validation loss (over its seeds) at `budget`."""
-    return {row: min(by_lr, key=lambda lr: float(np.mean([r["validation_loss"] for r in by_lr[lr]])))
-            for row, by_lr in tune_runs(rows, budget).items()}
+def chosen_points(rows: list[dict], budget: float) -> dict[str, Point]:
+    """Each tuned row's point with the lowest mean validation loss (over its seeds) at `budget`."""
+    return {row: min(by_point, key=lambda p: float(np.mean([r["validation_loss"] for r in by_point[p]])))
+            for row, by_point in tune_runs(rows, budget).items()}
 
 
 def zero_shot(evalset: tuple[int | None, int, int]) -> dict:
@@ -166,11 +184,11 @@ def zero_shot(evalset: tuple[int | None, int, int]) -> dict:
             "final_eval_seconds": round(time.perf_counter() - t0, 1)}
 
 
-def _run(row: str, seed: int, budget: float, evalset: tuple[int | None, int, int], lr: float,
+def _run(row: str, seed: int, budget: float, evalset: tuple[int | None, int, int], point: Point,
          phase: str) -> tuple[FederatedConfig, dict, list[dict], float, Path]:
     """Run (or resume) one federated row; its config, results, metric records, wall seconds and directory."""
-    out = RUNS / row_key(row, seed, budget, evalset, lr, phase).replace("|", "_")
-    config = make_config(row, seed, budget, evalset, out, lr, phase)
+    out = RUNS / row_key(row, seed, budget, evalset, point, phase).replace("|", "_")
+    config = make_config(row, seed, budget, evalset, out, point, phase)
     t0 = time.perf_counter()
     results = run_federated(config, resume=find_checkpoint(out / "checkpoint") is not None,
                             show_progress=sys.stderr.isatty(), console=Console(stderr=True))
@@ -182,22 +200,23 @@ def _run(row: str, seed: int, budget: float, evalset: tuple[int | None, int, int
     return config, results, MetricsLog(out / "metrics.jsonl").read(), wall, out
 
 
-def tune(row: str, seed: int, budget: float, lr: float) -> dict:
-    """One grid point: the row at `lr`, scored by the response loss on the validation split."""
-    config, results, records, wall, out = _run(row, seed, budget, (None, 0, 0), lr, TUNE)
+def tune(row: str, seed: int, budget: float, point: Point) -> dict:
+    """One grid point: the row at `point`, scored by the response loss on the validation split."""
+    config, results, records, wall, out = _run(row, seed, budget, (None, 0, 0), point, TUNE)
     curve = [[r.get("forward_passes", 0.0), r["round"], r["eval_loss"]] for r in records
              if r["event"] in ("eval", "round") and "eval_loss" in r]  # [passes, round, validation-subset loss]
-    return {"phase": TUNE, "row": row, "method": ROWS[row], "seed": seed, "lr": lr, "budget": budget,
+    return {"phase": TUNE, "row": row, "method": ROWS[row], "seed": seed, "lr": point[0],
+            "server_factor": point[1], "budget": budget,
             "rounds": config.federation.rounds, "forward_passes": results["forward_passes"],
             "validation_loss": round(results["test"]["loss"], 5), "validation_examples": results["test_examples"],
             "curve": curve, "wall_seconds": round(wall, 1), "run_dir": str(out.relative_to(ROOT))}
 
 
-def federate(row: str, seed: int, budget: float, evalset: tuple[int | None, int, int], lr: float) -> dict:
+def federate(row: str, seed: int, budget: float, evalset: tuple[int | None, int, int], point: Point) -> dict:
     """One federated row: the rounds (curve answers at most `curve` tokens long), then the final test at full
     length (a resumed run that had finished its rounds only tests again)."""
     tokens, curve_tokens = evalset[1:]
-    config, results, records, wall, out = _run(row, seed, budget, evalset, lr, FINAL)
+    config, results, records, wall, out = _run(row, seed, budget, evalset, point, FINAL)
     expected = per_client_round_cost(row)
     start = next(r for r in records if r["event"] == "eval" and r.get("round") == 0)
     rounds = [r for r in records if r["event"] == "round"]
@@ -207,7 +226,7 @@ def federate(row: str, seed: int, budget: float, evalset: tuple[int | None, int,
         if "eval_rougeL" in r:
             curve.append([r["forward_passes"], uplink, r["round"], r["eval_rougeL"], r["eval_loss"]])
     curve_seconds = [r["eval_seconds"] for r in rounds if "eval_seconds" in r]
-    return {"row": row, "method": ROWS[row], "seed": seed, "lr": lr, "budget": budget,
+    return {"row": row, "method": ROWS[row], "seed": seed, "lr": point[0], "server_factor": point[1], "budget": budget,
             "rounds": config.federation.rounds, "forward_passes": results["forward_passes"],
             "forward_passes_per_client_round": expected, "trainable_parameters": results["trainable_parameters"],
             "test_rougeL": round(results["test"]["rougeL"], 4), "test_loss": round(results["test"]["loss"], 4),
@@ -221,13 +240,13 @@ def federate(row: str, seed: int, budget: float, evalset: tuple[int | None, int,
             "final_eval_seconds": round(results["test_seconds"], 1), "run_dir": str(out.relative_to(ROOT))}
 
 
-def _process(row: str, seed: int, budget: float, evalset: tuple[int | None, int, int], lr: float | None,
+def _process(row: str, seed: int, budget: float, evalset: tuple[int | None, int, int], point: Point | None,
              phase: str, threads: int) -> dict:
     torch.set_num_threads(threads)
     if phase == TUNE:
-        result = tune(row, seed, budget, lr)
+        result = tune(row, seed, budget, point)
     else:
-        result = zero_shot(evalset) if ROWS[row] is None else federate(row, seed, budget, evalset, lr)
+        result = zero_shot(evalset) if ROWS[row] is None else federate(row, seed, budget, evalset, point)
     return {**result, "torch_threads": threads}
 
 
@@ -245,11 +264,12 @@ def mean_std(values) -> tuple[float, float]:
 
 def settings(rows: list[dict]) -> dict[tuple, dict]:
     """The rows one table compares, by (budget, test examples, final tokens, curve tokens): each row's finals at
-    the lr its tuning chose at that budget, and the zero-shot row scored the same way."""
+    the point its tuning chose at that budget, and the zero-shot row scored the same way."""
     groups: dict[tuple, dict] = {}
-    chosen = {budget: chosen_lrs(rows, budget) for budget in {r["budget"] for r in rows if r.get("phase") == TUNE}}
+    chosen = {budget: chosen_points(rows, budget) for budget in {r["budget"] for r in rows if r.get("phase") == TUNE}}
     for r in rows:
-        if r.get("phase") != TUNE and r["row"] != ZERO_SHOT and r["lr"] == chosen.get(r["budget"], {}).get(r["row"]):
+        if (r.get("phase") != TUNE and r["row"] != ZERO_SHOT
+                and point_of(r) == chosen.get(r["budget"], {}).get(r["row"])):
             key = (r["budget"], r["test_examples"], r["max_new_tokens"], r["curve_tokens"])
             groups.setdefault(key, {}).setdefault(r["row"], []).append(r)
     for (_, test, tokens, _), group in groups.items():
@@ -307,30 +327,37 @@ def plot_curves(by_row: dict[str, list[dict]], title: str, path: Path) -> None:
     label_and_save(fig, axes, "ROUGE-L (test subset, points)", title, path, ", symlog")
 
 
+def _point_label(point: Point) -> str:
+    lr, factor = point
+    return f"lr {lr:g}" + ("" if factor == 1.0 else f", server x{factor:g}")
+
+
 def tuning_lines(rows: list[dict]) -> list[str]:
-    """Per budget, each row's validation loss at every lr of its grid, the chosen one in bold."""
+    """Per budget, each row's validation loss at every point of its grid, the chosen one in bold."""
     lines = []
+    width = max(len(g) for g in GRIDS.values())
     for budget in sorted({r["budget"] for r in rows if r.get("phase") == TUNE}):
-        grid, chosen = tune_runs(rows, budget), chosen_lrs(rows, budget)
-        lrs = sorted({lr for by_lr in grid.values() for lr in by_lr})
+        grid, chosen = tune_runs(rows, budget), chosen_points(rows, budget)
         lines += [f"Tuning at budget {budget:,.0f}: the response loss on {VALIDATION} validation records held out of "
-                  "the training data at the end of the run (seed 0; the lowest is chosen, in bold; blank: not run). "
-                  "ZO rows tune `optimizer.lr` (MeZO steps), FedAvg `federation.first_order_lr` (AdamW).", "",
-                  "| row | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |", "|" + "---|" * (len(lrs) + 1)]
+                  "the training data at the end of the run (seed 0; the lowest is chosen, in bold). The ZO rows' lr "
+                  "is `optimizer.lr` (MeZO steps), FedAvg's `federation.first_order_lr` (AdamW); server xF multiplies "
+                  "the method's default server lr.", "",
+                  "| row | " + " | ".join(f"point {i + 1}" for i in range(width)) + " |", "|" + "---|" * (width + 1)]
         for name in ROWS:
-            if name in grid:
-                cells = []
-                for lr in lrs:
-                    runs = grid[name].get(lr)
-                    value = "" if not runs else f"{np.mean([r['validation_loss'] for r in runs]):.4f}"
-                    cells.append(f"**{value}**" if value and lr == chosen[name] else value)
-                lines.append(f"| {name} | " + " | ".join(cells) + " |")
-        untried = [f"{name} ({', '.join(f'{lr:g}' for lr in GRIDS[name] if lr not in grid.get(name, {}))})"
-                   for name in GRIDS if set(GRIDS[name]) - set(grid.get(name, {}))]
-        if untried:
-            lines += ["", "Grid points not run yet: " + "; ".join(untried) + "."]
+            if name not in GRIDS or name not in grid:
+                continue
+            cells = []
+            for point in GRIDS[name]:
+                runs = grid[name].get(point)
+                value = "not run" if not runs else f"{np.mean([r['validation_loss'] for r in runs]):.4f}"
+                cells.append(f"**{_point_label(point)}: {value}**" if point == chosen[name]
+                             else f"{_point_label(point)}: {value}")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        untuned = [name for name in GRIDS if name not in grid]
+        if untuned:
+            lines += ["", f"Not tuned yet: {', '.join(untuned)}."]
         lines.append("")
-    return lines or ["No row has been tuned yet (`--phase tune`): finals are shown only at a tuned lr.", ""]
+    return lines or ["No row has been tuned yet (`--phase tune`): finals are shown only at a tuned point.", ""]
 
 
 def write_report(table: dict, out: Path) -> None:
@@ -395,9 +422,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
     parser.add_argument("--phase", choices=[TUNE, FINAL], default=FINAL,
-                        help="tune: every row's lr grid on the validation split; final: the chosen lrs on the test set")
+                        help="tune: every row's grid on the validation split; final: the chosen points on the test set")
     parser.add_argument("--seeds", type=int, nargs="*", help="default: 0 1 2 (final), 0 (tune)")
-    parser.add_argument("--lrs", type=float, nargs="*", help="tune only these points of each row's grid")
+    parser.add_argument("--points", type=int, nargs="*", help="tune only these points of each row's grid (1, 2, 3)")
     parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
                         help="client compute, forward-pass equivalents summed over the federation")
     parser.add_argument("--jobs", type=int, default=1)
@@ -422,7 +449,7 @@ def main() -> None:
     table["meta"] = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
                      "common": COMMON, "grids": GRIDS, "validation_examples": VALIDATION}
     evalset = (args.test_examples, args.max_new_tokens, args.curve_tokens)
-    chosen = chosen_lrs(list(table["rows"].values()), args.budget)
+    chosen = chosen_points(list(table["rows"].values()), args.budget)
     untuned = [row for row in args.rows if args.phase == FINAL and ROWS[row] is not None and row not in chosen]
     if untuned:
         raise SystemExit(f"{', '.join(untuned)} never tuned at budget {args.budget:g}: run --phase tune first")
@@ -431,12 +458,13 @@ def main() -> None:
         if args.phase == TUNE and ROWS[row] is None:
             continue  # nothing to tune
         for seed in args.seeds:
-            grid = [lr for lr in GRIDS[row] if args.lrs is None or lr in args.lrs] if ROWS[row] is not None else []
-            for lr in (grid if args.phase == TUNE else [chosen.get(row)]):
-                key = row_key(row, seed, args.budget, evalset, lr, args.phase)
+            grid = [p for i, p in enumerate(GRIDS[row]) if args.points is None or i + 1 in args.points] \
+                if ROWS[row] is not None else []
+            for point in (grid if args.phase == TUNE else [chosen.get(row)]):
+                key = row_key(row, seed, args.budget, evalset, point, args.phase)
                 if key not in table["rows"] and key not in keys:  # one zero-shot row serves every seed
                     keys.add(key)
-                    pending.append((row, seed, args.budget, evalset, lr, args.phase))
+                    pending.append((row, seed, args.budget, evalset, point, args.phase))
     print(f"{len(pending)} runs to do, {args.jobs} at a time", flush=True)
     record_rows(run_rows(_process, pending, row_key, args.jobs, args.threads), table, path,
                 lambda: write_report(table, args.out), "curve")

@@ -11,6 +11,9 @@ from pathlib import Path
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 import instruction  # noqa: E402
+import pytest  # noqa: E402
+
+from zofed.fl.methods import get_method  # noqa: E402
 
 
 def test_every_row_gets_the_same_client_compute_as_its_method_counts_it():
@@ -47,29 +50,36 @@ def _row(row: str, seed: int, score: float, lr: float = 1e-2) -> dict:
             "setup_seconds": 30.0, "curve_eval_seconds": 30.0, "final_eval_seconds": 200.0, "torch_threads": 1}
 
 
-def _tuned(row: str, lr: float, loss: float) -> dict:
-    return {"phase": "tune", "row": row, "method": instruction.ROWS[row], "seed": 0, "lr": lr, "budget": 360.0,
-            "validation_loss": loss}
+def _tuned(row: str, lr: float, loss: float, factor: float = 1.0) -> dict:
+    return {"phase": "tune", "row": row, "method": instruction.ROWS[row], "seed": 0, "lr": lr, "server_factor": factor,
+            "budget": 360.0, "validation_loss": loss}
 
 
 def test_tuning_chooses_each_rows_lowest_validation_loss_and_finals_need_it(tmp_path):
-    rows = [_tuned("zofed", 1e-3, 2.10), _tuned("zofed", 1e-2, 2.05), _tuned("zofed", 1e-1, 2.30),
+    rows = [_tuned("zofed", 1e-2, 2.10), _tuned("zofed", 1e-2, 2.05, 10.0), _tuned("zofed", 1e-2, 2.30, 100.0),
             _tuned("fedkseed", 1e-3, 2.11), _tuned("fedkseed", 1e-2, 2.12),
-            {**_tuned("zofed", 1e-3, 1.0), "budget": 720}]
-    assert instruction.chosen_lrs(rows, 360.0) == {"zofed": 1e-2, "fedkseed": 1e-3}
-    assert instruction.chosen_lrs(rows, 720.0) == {"zofed": 1e-3}
-    # a final run at an lr its tuning did not choose is kept in the table but not compared
-    finals = [_row("zofed", 0, 0.33, lr=1e-2), _row("zofed", 0, 0.40, lr=1e-3), _row("fedkseed", 0, 0.31, lr=1e-3)]
+            {**_tuned("zofed", 1e-2, 1.0), "budget": 720}]
+    assert instruction.chosen_points(rows, 360.0) == {"zofed": (1e-2, 10.0), "fedkseed": (1e-3, 1.0)}
+    assert instruction.chosen_points(rows, 720.0) == {"zofed": (1e-2, 1.0)}
+    # a final run at a point its tuning did not choose is kept in the table but not compared
+    finals = [{**_row("zofed", 0, 0.33), "server_factor": 10.0}, _row("zofed", 0, 0.40),
+              _row("fedkseed", 0, 0.31, lr=1e-3)]
     groups = instruction.settings(rows + finals)[(360.0, 160, 128, 64)]
     assert [r["test_rougeL"] for r in groups["zofed"]] == [0.33] and [r["lr"] for r in groups["fedkseed"]] == [1e-3]
     text = "\n".join(instruction.tuning_lines(rows[:-1]))
-    assert "| zofed | 2.1000 | **2.0500** | 2.3000 |" in text and "| fedkseed | **2.1100** | 2.1200 |  |" in text
-    assert "Grid points not run yet: zo-seeds (0.001, 0.01, 0.1); fedkseed (0.1); decomfl" in text
+    assert ("| zofed | lr 0.01: 2.1000 | **lr 0.01, server x10: 2.0500** | lr 0.01, server x100: 2.3000 |" in text
+            and "| fedkseed | **lr 0.001: 2.1100** | lr 0.01: 2.1200 | lr 0.1: not run |" in text)
+    assert "Not tuned yet: zo-seeds, decomfl, fedavg-lora." in text
+    assert instruction.row_key("zofed", 0, 360.0, (None, 128, 64), (1e-2, 10.0), "tune") == \
+        "tune|zofed|0|0.01|x10|360|val100"
+    assert instruction.row_key("fedkseed", 1, 360.0, (None, 128, 64), (1e-2, 1.0)) == \
+        "fedkseed|1|0.01|360|test160|new128|curve64"
 
-    tune = instruction.make_config("zofed", 0, 360.0, (None, 0, 0), tmp_path / "t", 1e-2, "tune")
+    tune = instruction.make_config("zofed", 0, 360.0, (None, 0, 0), tmp_path / "t", (1e-2, 10.0), "tune")
     assert (tune.data.evaluate_on, tune.data.validation_examples, tune.task.generate_eval) == ("validation", 100, 0)
     assert tune.optimizer.lr == 1e-2 and tune.federation.rounds == tune.federation.eval_every == 15
-    final = instruction.make_config("fedavg-lora", 1, 360.0, (None, 128, 64), tmp_path / "f", 1e-4)
+    assert tune.federation.server_optimizer.lr == pytest.approx(10 * get_method("zofed").server_default.lr)
+    final = instruction.make_config("fedavg-lora", 1, 360.0, (None, 128, 64), tmp_path / "f", (1e-4, 1.0))
     assert (final.data.evaluate_on, final.task.generate_eval, final.federation.first_order_lr) == ("test", 160, 1e-4)
 
 
