@@ -68,7 +68,7 @@ def test_tuning_chooses_each_rows_lowest_validation_loss_and_finals_need_it(tmp_
     assert [r["test_rougeL"] for r in groups["zofed"]] == [0.33] and [r["lr"] for r in groups["fedkseed"]] == [1e-3]
     text = "\n".join(instruction.tuning_lines(rows[:-1]))
     assert ("| zofed | lr 0.01: 2.1000 | **lr 0.01, server x10: 2.0500** | lr 0.01, server x100: 2.3000 |" in text
-            and "| fedkseed | **lr 0.001: 2.1100** | lr 0.01: 2.1200 | lr 0.1: not run |" in text)
+            and "| fedkseed | lr 0.0001: not run | **lr 0.001: 2.1100** | lr 0.01: 2.1200 |" in text)
     assert "Not tuned yet: zo-seeds, decomfl, fedavg-lora." in text
     assert instruction.row_key("zofed", 0, 360.0, (None, 128, 64), (1e-2, 10.0), "tune") == \
         "tune|zofed|0|0.01|x10|360|val100"
