@@ -85,7 +85,7 @@ def test_tuning_chooses_each_rows_lowest_validation_loss_and_finals_need_it(tmp_
 
 def test_the_report_checks_both_targets_from_the_rows(tmp_path):
     rows = [{"row": "zero-shot", "method": None, "test_rougeL": 0.30, "test_loss": 2.1, "test_examples": 160,
-             "max_new_tokens": 128}]
+             "max_new_tokens": 128, "final_eval_seconds": 500.0}]
     rows += [_tuned(name, 1e-2, 2.0) for name in ("zofed", "fedkseed", "fedavg-lora")]
     rows += [_row("zofed", s, v) for s, v in enumerate([0.32, 0.34, 0.33])]
     rows += [_row("fedkseed", s, v) for s, v in enumerate([0.31, 0.31, 0.32])]
@@ -105,4 +105,5 @@ def test_the_report_checks_both_targets_from_the_rows(tmp_path):
     instruction.write_report(table, tmp_path)
     report = (tmp_path / "instruction.md").read_text()
     assert "| fedavg-lora | 3 | 29.00 ± 1.00 | 2.000 | 20.00 → 29.00 | 2.000 → 1.710 | 10 |" in report
+    assert "Zero-shot, the starting model: ROUGE-L 30.00, test loss 2.100 on 160 examples" in report
     assert (tmp_path / "instruction_b360.png").is_file()
