@@ -377,10 +377,11 @@ def write_report(table: dict, out: Path) -> None:
              "(drawn per seed) with shorter answers (the curve tokens below). zero-shot is the starting model (LoRA's "
              "B is zero) on the whole test set, evaluated once: no seed changes it; each run's round-0 point is its "
              "value on the seed's subset. Standard deviations over seeds use n - 1. Server optimizers are each "
-             "method's default. Reproduce: `.venv/bin/python benchmarks/instruction.py --phase tune --jobs 2 --threads 1`, then without `--phase`.", "",
+             "method's default. Reproduce: `.venv/bin/python benchmarks/instruction.py --phase tune --jobs 2 "
+             "--threads 1`, then the same without `--phase`.", "",
              *[f"Zero-shot, the starting model: ROUGE-L {100 * r['test_rougeL']:.2f}, test loss "
-               f"{r['test_loss']:.3f} on {r['test_examples']} examples, answers up to {r['max_new_tokens']} tokens, scored in "
-               f"{r['final_eval_seconds']:.0f} s." for r in rows if r["row"] == ZERO_SHOT], "",
+               f"{r['test_loss']:.3f} on {r['test_examples']} examples, answers up to {r['max_new_tokens']} tokens, "
+               f"scored in {r['final_eval_seconds']:.0f} s." for r in rows if r["row"] == ZERO_SHOT], "",
              *tuning_lines(rows)]
     groups = settings(rows)
     finals = [r for r in rows if r.get("phase") != TUNE]
