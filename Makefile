@@ -49,8 +49,8 @@ bench-calibrate: setup
 bench-ranking: setup
 	$(PY) benchmarks/ranking.py --phase tune
 
-# Instruction tuning on federated Dolly/Alpaca at equal client compute (ROUGE-L): each row's lr tuned on validation
-# loss, then the finals at the chosen lrs; ARGS e.g. --jobs 2 --threads 1
+# Instruction tuning on federated Dolly/Alpaca at equal client compute (ROUGE-L): each row's step size tuned on
+# validation loss, then the finals at the chosen points; ARGS e.g. --jobs 2 --threads 1
 bench-instruction: setup
 	$(PY) benchmarks/instruction.py --phase tune $(ARGS) && $(PY) benchmarks/instruction.py $(ARGS)
 

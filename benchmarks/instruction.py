@@ -82,10 +82,10 @@ ROWS: dict[str, str | None] = {ZERO_SHOT: None, "zofed": "zofed", "zo-seeds": "z
 # and 1e-2 under the default server lr its validation subset's loss moved by 6e-5 and 5e-5 over the run. FedKSeed
 # at client lr 1e-2 ended at a validation loss of 21.3 (2.35 at the start): the plain rows' grid tops out there.
 Point = tuple[float, float]
-PLAIN_GRID = [(1e-4, 1.0), (1e-3, 1.0), (1e-2, 1.0)]
-GRIDS: dict[str, list[Point]] = {"zofed": [(1e-2, 1.0), (1e-2, 10.0), (1e-2, 100.0)], "zo-seeds": PLAIN_GRID,
-                                 "fedkseed": PLAIN_GRID, "decomfl": PLAIN_GRID,
-                                 "fedavg-lora": [(1e-4, 1.0), (1e-3, 1.0), (1e-2, 1.0)]}
+CLIENT_LR_GRID = [(1e-4, 1.0), (1e-3, 1.0), (1e-2, 1.0)]  # the plain ZO rows' MeZO lr and FedAvg's AdamW lr alike
+GRIDS: dict[str, list[Point]] = {"zofed": [(1e-2, 1.0), (1e-2, 10.0), (1e-2, 100.0)], "zo-seeds": CLIENT_LR_GRID,
+                                 "fedkseed": CLIENT_LR_GRID, "decomfl": CLIENT_LR_GRID,
+                                 "fedavg-lora": CLIENT_LR_GRID}
 VALIDATION = 100  # training records held out to tune on (data.validation_examples): 200 took 6 min to score
 TUNE, FINAL = "tune", "final"
 COMMON = ["model.name=smollm2-135m", "data.source=shared:dolly", "task.type=causal-lm", f"task.max_length={MAX_LENGTH}",
@@ -218,7 +218,6 @@ def federate(row: str, seed: int, budget: float, evalset: tuple[int | None, int,
     length (a resumed run that had finished its rounds only tests again)."""
     tokens, curve_tokens = evalset[1:]
     config, results, records, wall, out = _run(row, seed, budget, evalset, point, FINAL)
-    expected = per_client_round_cost(row)
     start = next(r for r in records if r["event"] == "eval" and r.get("round") == 0)
     rounds = [r for r in records if r["event"] == "round"]
     curve, uplink = [[0.0, 0.0, 0, start["eval_rougeL"], start["eval_loss"]]], 0.0
@@ -229,7 +228,8 @@ def federate(row: str, seed: int, budget: float, evalset: tuple[int | None, int,
     curve_seconds = [r["eval_seconds"] for r in rounds if "eval_seconds" in r]
     return {"row": row, "method": ROWS[row], "seed": seed, "lr": point[0], "server_factor": point[1], "budget": budget,
             "rounds": config.federation.rounds, "forward_passes": results["forward_passes"],
-            "forward_passes_per_client_round": expected, "trainable_parameters": results["trainable_parameters"],
+            "forward_passes_per_client_round": results["forward_passes_per_client_round"],  # _run checked it
+            "trainable_parameters": results["trainable_parameters"],
             "test_rougeL": round(results["test"]["rougeL"], 4), "test_loss": round(results["test"]["loss"], 4),
             "test_examples": results["test_examples"], "max_new_tokens": tokens, "curve_tokens": curve_tokens,
             "bytes_up_per_client_round": results["bytes_up_per_client_round"],
@@ -462,10 +462,12 @@ def main() -> None:
     for row in args.rows:
         if args.phase == TUNE and ROWS[row] is None:
             continue  # nothing to tune
+        if args.phase == TUNE:
+            points = [p for i, p in enumerate(GRIDS[row], 1) if args.points is None or i in args.points]
+        else:
+            points = [chosen.get(row)]  # None for zero-shot, which has no step to tune
         for seed in args.seeds:
-            grid = [p for i, p in enumerate(GRIDS[row]) if args.points is None or i + 1 in args.points] \
-                if ROWS[row] is not None else []
-            for point in (grid if args.phase == TUNE else [chosen.get(row)]):
+            for point in points:
                 key = row_key(row, seed, args.budget, evalset, point, args.phase)
                 if key not in table["rows"] and key not in keys:  # one zero-shot row serves every seed
                     keys.add(key)
