@@ -53,6 +53,7 @@ DEFENSES = {"mean": [], "clip": ["clip"], "trimmed-mean": ["federation.aggregato
 EPSILONS = [1.0, 3.0, 8.0]
 DELTA = 1e-5
 TRAINABLE, BUDGET, ALPHA = "head", 1000.0, 0.1
+KEPT_QUANTILES = [0.5, 0.75, 0.9, 0.95]  # of the honest norms, in the reference row: clip norms without its run dir
 
 
 def row_key(dataset: str, row: str, attack: str, fraction: float, defense: str, seed: int) -> str:
@@ -77,6 +78,20 @@ def honest_norms(run_dir) -> np.ndarray:
     quantiles."""
     _, rounds, _ = read_log(run_dir / LOG_NAME)
     return np.array([float(np.linalg.norm(decode(data).grads)) for r in rounds for _, data in r.uplinks])
+
+
+def honest_quantile(table: dict, key: str, quantile: float) -> float:
+    """A quantile of the reference run's honest scalar norms, kept in its row (`honest_norm_quantiles`) so that the
+    clip norms outlive the run directory; else read from the run's uplink log."""
+    reference = table["rows"][key]
+    name = f"{quantile:g}"
+    if name in reference.get("honest_norm_quantiles", {}):
+        return reference["honest_norm_quantiles"][name]
+    log = ROOT / reference["run_dir"] / LOG_NAME
+    if not log.is_file():
+        raise SystemExit(f"the clip norm at quantile {name} needs the reference run's uplink log {log}, which is "
+                         f"gone: delete the row {key} from robustness.json to run the reference again")
+    return float(np.quantile(honest_norms(ROOT / reference["run_dir"]), quantile))
 
 
 def row_config(dataset: str, row: str, attack: str, fraction: float, defense: str, seed: int, clip: float | None,
@@ -111,7 +126,9 @@ def run_one(dataset: str, row: str, attack: str, fraction: float, defense: str, 
             "final_accuracy": round(results["test"]["accuracy"], 4), "rounds": config.federation.rounds,
             "clip_norm": config.federation.clip_norm, "dp_noise": config.federation.dp_noise,
             "dp_epsilon": results.get("dp_epsilon"), "rejected_uplinks": results["rejected_uplinks"],
-            "run_dir": str(out.relative_to(ROOT)), "torch_threads": threads}
+            "run_dir": str(out.relative_to(ROOT)), "torch_threads": threads,
+            **({"honest_norm_quantiles": {f"{q:g}": float(np.quantile(honest_norms(out), q)) for q in KEPT_QUANTILES}}
+               if (attack, defense) == ("none", "mean") else {})}
 
 
 def _change(lost: float) -> str:
@@ -221,13 +238,12 @@ def main() -> None:
             reference = [(dataset, row, "none", 0.0, "mean", args.seed, None)]
             record_rows(run_rows(run_one, reference, lambda *a: row_key(*a[:6]), 1, args.threads), table, path,
                         lambda: write_report(table), "")
-        norms = honest_norms(ROOT / table["rows"][key]["run_dir"])
-        clip = float(np.quantile(norms, args.clip_quantile))
+        clip = honest_quantile(table, key, args.clip_quantile)
         pending = [(dataset, row, attack, fraction, defense, args.seed, clip) for attack in args.attacks
                    for fraction in args.fractions for defense in args.defenses]
         # DP's clip trades the bias of clipping against noise sized by it: its own quantile (the honest norms
         # are heavy-tailed, so the attacks' 90th percentile sizes the noise for the few loudest clients)
-        dp_clip = float(np.quantile(norms, args.dp_clip_quantile))
+        dp_clip = honest_quantile(table, key, args.dp_clip_quantile)
         pending += [(dataset, row, "none", 0.0, f"dp-{eps:g}@q{args.dp_clip_quantile:g}", args.seed, dp_clip)
                     for eps in args.epsilons]
         pending += [(dataset, row, "none", 0.0, d, args.seed, clip) for d in args.defenses if d != "mean"]
