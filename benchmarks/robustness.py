@@ -49,7 +49,8 @@ ATTACKS = ["sign-flip", "scale", "random", "label-flip", "stale"]
 FRACTIONS = [0.1, 0.2]
 DEFENSES = {"mean": [], "clip": ["clip"], "trimmed-mean": ["federation.aggregator=trimmed-mean", "federation.trim=0.2"],
             "median": ["federation.aggregator=median"], "screen": ["federation.screen_threshold=0.1"],
-            "screen-loo": ["federation.screen_threshold=0", "federation.screen_score=leave-one-out"]}
+            "screen-loo": ["federation.screen_threshold=0", "federation.screen_score=leave-one-out"],
+            "screen-agree": ["federation.screen_threshold=0", "federation.screen_score=agreement"]}
 EPSILONS = [1.0, 3.0, 8.0]
 DELTA = 1e-5
 TRAINABLE, BUDGET, ALPHA = "head", 1000.0, 0.1

@@ -19,7 +19,7 @@ from zofed.fl.aggregate import (
 )
 from zofed.fl.plan import FederationPlan
 from zofed.fl.protocol import ClientUpdate, decode, encode
-from zofed.fl.roles import ServerRole
+from zofed.fl.roles import Screen, ServerRole
 from zofed.fl.server import RoundInbox
 from zofed.fl.server_opt import make_server_optimizer
 from zofed.run.config import ConfigError
@@ -184,14 +184,14 @@ def test_a_run_with_a_robust_aggregator_and_clipping_records_the_clipped_uplinks
 
 
 def test_screening_refuses_the_updates_scored_above_the_threshold():
-    def by_size(tensors, updates):  # a stand-in score: the update's largest value
+    def by_size(tensors, updates, replays):  # a stand-in score: the update's largest value
         return [max(float(d.abs().max()) for d in update) for update in updates]
 
     honest_move = _server_round(WeightedMean(), attacker_scale=1.0)[0]
     gen = torch.Generator().manual_seed(0)
     plan = FederationPlan("zo-seeds", 5, 5, 3, lr=0.1, eps=1e-2, run_seed=3)
     server = ServerRole(plan, [torch.randn(n, generator=gen) for n in SIZES], None, make_server_optimizer("sgd", 1.0),
-                        WeightedMean(), None, (by_size, 5.0))
+                        WeightedMean(), None, Screen(by_size, 5.0))
     local, inbox = server.round_plan(0), RoundInbox()
     rng = np.random.default_rng(0)
     clients = server.sample(0)
@@ -216,10 +216,10 @@ def test_the_probe_screen_scores_loss_changes_and_leaves_the_model_as_it_was(tin
 
     setup = build(tiny_federated_config(tiny_workspace, tmp_path / "s"))
     before = [t.clone() for t in setup.trainable.tensors()]
-    score, threshold = probe_loss_screen(setup, 16, 0, 0.1)
+    score, threshold, _ = probe_loss_screen(setup, 16, 0, 0.1)
     tensors = [t + 0.01 for t in before]  # a global model elsewhere than the clients' replica
     updates = [[torch.zeros_like(t) for t in before], [torch.full_like(t, 0.5) for t in before]]
-    changes = score(tensors, updates)
+    changes = score(tensors, updates, [])
     assert threshold == 0.1 and changes[0] == 0.0 and changes[1] != 0.0
     assert all(torch.equal(a, b) for a, b in zip(setup.trainable.tensors(), before, strict=True))
 
@@ -280,3 +280,77 @@ def test_leave_one_out_screening_refuses_what_pulls_the_rounds_mean_away_and_kee
     clean = leave_one_out_scores(loss_of, start, honest, threshold=0.0)
     assert all(s <= 0.0 for s in clean)  # nothing to refuse among honest clients alone
     assert leave_one_out_scores(loss_of, start, [], threshold=0.0) == []
+
+
+def test_agreement_screening_scores_sign_flipped_scalars_above_zero_and_skewed_honest_ones_below():
+    """Clients step on quadratics around targets of their own, far from the probe set's (label skew), and send
+    noisy directional derivatives; one flips every sign, one sends random numbers. The score (minus the rank
+    correlation of a client's scalars with the probe's derivatives along its own directions, at its own weights)
+    is below zero for every honest client and above it for the flipped one; the random one scores near zero."""
+    from zofed.run.screening import agreement_scores, rank_correlation
+    from zofed.zo.perturb import Perturbation, write_directions_
+    from zofed.zo.step import StepRecord
+
+    dim, steps, queries, eps = 50, 20, 4, 1e-3
+    gen = torch.Generator().manual_seed(0)
+    probe_target = torch.ones(dim)
+    pert = Perturbation()
+
+    def loss_of(tensors):
+        return float(((tensors[0] - probe_target) ** 2).sum())
+
+    def direction(seed):
+        out = [torch.empty(dim)]
+        write_directions_(out, [torch.zeros(dim)], [(seed, 1.0)], pert)
+        return out[0]
+
+    def client(owner, lie=None):
+        target = probe_target + 2.0 * torch.randn(dim, generator=gen)  # |skew| ~ 2x the probe target's norm
+        noise = torch.Generator().manual_seed(100 + owner)
+
+        def replay(visit):
+            w = [torch.zeros(dim)]
+            for t in range(steps):
+                record = StepRecord(t, 1000 * owner + t, (), float("nan"))
+                us = [direction(s) for s in StepRecord(t, record.seed, (0.0,) * queries, 0.0).query_seeds()]
+                grads = [float(2 * (w[0] - target) @ u) + 5.0 * float(torch.randn(1, generator=noise)) for u in us]
+                if lie == "flip":
+                    grads = [-g for g in grads]
+                elif lie == "random":
+                    grads = [10.0 * float(torch.randn(1, generator=noise)) for _ in grads]
+                record = StepRecord(t, record.seed, tuple(grads), float("nan"))
+                visit(w, record, pert)
+                w = [w[0] - 1e-3 * sum(g / queries * u for g, u in zip(grads, us, strict=True))]
+            return w
+
+        return replay
+
+    replays = [client(c) for c in range(5)] + [client(5, "flip"), client(6, "random")]
+    scores = agreement_scores(loss_of, replays, eps)
+    assert all(s < 0.0 for s in scores[:5]) and scores[5] > 0.0
+    assert abs(scores[6]) < 0.35 and scores[6] > max(scores[:5])
+    assert rank_correlation(np.ones(4), np.arange(4.0)) == 0.0  # one value repeated says nothing
+    assert rank_correlation(np.arange(5.0), np.arange(5.0) ** 3) == pytest.approx(1.0)
+
+
+def test_an_agreement_screened_run_refuses_sign_flippers_keeps_honest_clients_and_replays(tiny_workspace, tmp_path):
+    from zofed import streams
+    from zofed.run.replay import replay_run
+
+    out = tmp_path / "agree"
+    config = tiny_federated_config(tiny_workspace, out, "federation.method=zo-seeds", "federation.local_steps=16",
+                                   "zo.queries=2", "federation.rounds=6", "federation.partition.alpha=100",
+                                   "attack.kind=sign-flip", "attack.fraction=0.5", "federation.screen_threshold=0",
+                                   "federation.screen_score=agreement")
+    run_federated(config, show_progress=False)
+    attackers = set(streams.attackers(config.train.seed).choice(4, size=2, replace=False).tolist())
+    rounds = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["event"] == "round"]
+    refused = [x["client"] for r in rounds for x in r["rejected"]]
+    sent_by_attackers = sum(c in attackers for r in rounds for c in r["clients"])
+    assert refused and set(refused) <= attackers  # no honest uplink refused
+    assert len(refused) > sent_by_attackers / 2  # most of the flipped ones are
+    assert all(x["reason"].startswith("screened: scalars' rank correlation") for r in rounds for x in r["rejected"])
+    assert replay_run(out).matches
+    with pytest.raises(ConfigError, match="agreement checks a client's scalars"):
+        tiny_federated_config(tiny_workspace, tmp_path / "bad", "federation.method=fedavg",
+                              "federation.screen_threshold=0", "federation.screen_score=agreement")

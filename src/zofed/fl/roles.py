@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -30,12 +30,20 @@ from zofed.fl.plan import FederationPlan, LocalTraining
 from zofed.fl.pooled import PooledTerms, RoundSteps
 from zofed.fl.privacy import add_noise, client_noise, new_secret, server_noise
 from zofed.fl.protocol import ClientUpdate, ServerBroadcast, decode, encode
-from zofed.fl.server import RoundInbox, broadcast, rebuild_client_update, receive, unflatten
+from zofed.fl.server import RoundInbox, StepVisit, broadcast, rebuild_client_update, receive, unflatten
 from zofed.fl.server_opt import ServerOptimizer, make_server_optimizer
 from zofed.zo.optim import OptState
 
-# (score function, threshold): score(global tensors, each client's rebuilt update) -> one float per update
-Screen = tuple[Callable[[Sequence[torch.Tensor], list[list[torch.Tensor]]], list[float]], float]
+Replay = Callable[[StepVisit], object]  # reruns one client's local steps, showing each to a visitor
+
+
+class Screen(NamedTuple):
+    """How the server scores each accepted update (run/screening.py), and the score above which it is refused."""
+
+    # score(global tensors, each client's rebuilt update, each client's replay) -> one float per update
+    score: Callable[[Sequence[torch.Tensor], list[list[torch.Tensor]], list[Replay]], list[float]]
+    threshold: float
+    measure: str = "probe loss change"  # what the score is, in the rejection's reason
 
 
 def sample_clients(run_seed: int, round_id: int, num_clients: int, per_round: int) -> list[int]:
@@ -192,13 +200,16 @@ class ServerRole:
     def _screen(self, local: LocalTraining, inbox: RoundInbox) -> None:
         """Refuse the updates whose score is above the screen's threshold, as rejected uplinks with their score:
         nothing after this (the aggregator, the method's probes, the uplink log) sees them."""
-        score, threshold = self.screen
+        score, threshold, measure = self.screen
         updates = [self.contribution(u, local).rebuild(self.tensors) for u in inbox.accepted]
-        scores = score(self.tensors, updates)
+        replays = [lambda visit, u=u: rebuild_client_update(self.method, self.tensors, u, local, self.masks,
+                                                             self._sent.get(u.client_id), visit)
+                   for u in inbox.accepted]
+        scores = score(self.tensors, updates, replays)
         keep = [s <= threshold for s in scores]
         for update, kept, s in zip(inbox.accepted, keep, scores, strict=True):
             if not kept:
-                inbox.rejected.append((update.client_id, f"screened: probe loss change {s:+.4g} > {threshold:g}"))
+                inbox.rejected.append((update.client_id, f"screened: {measure} {s:+.4g} > {threshold:g}"))
         inbox.accepted[:] = [u for u, k in zip(inbox.accepted, keep, strict=True) if k]
         self.received = [r for r, k in zip(self.received, keep, strict=True) if k]
         self.last_screened = keep.count(False)

@@ -280,7 +280,7 @@ def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Conso
                    title=f"{fed.partition.scheme} (alpha {fed.partition.alpha}), {len(splits)} clients")
 
     screen = None if fed.screen_threshold is None else probe_loss_screen(
-        setup, fed.screen_examples, config.train.seed, fed.screen_threshold, fed.screen_score)
+        setup, fed.screen_examples, config.train.seed, fed.screen_threshold, fed.screen_score, config.zo.eps)
     server = make_server(config, setup.trainable, len(splits), setup.pass_fraction, server_optimizer, screen)
     plan = server.plan
     metrics = MetricsLog(out / "metrics.jsonl")

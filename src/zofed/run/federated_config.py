@@ -111,8 +111,9 @@ class FederationSection(_Section):
     # this is refused, as a rejected uplink. None: no screening.
     screen_threshold: float | None = None
     screen_examples: int = Field(32, ge=1)  # the probe examples (a seeded sample of the training data)
-    # alone: the loss change an update causes by itself; leave-one-out: the change it causes to the round's mean
-    screen_score: Literal["alone", "leave-one-out"] = "alone"
+    # alone: the loss change an update causes by itself; leave-one-out: the change it causes to the round's mean;
+    # agreement: minus the rank correlation of the client's scalars with the probe's own along the same directions
+    screen_score: Literal["alone", "leave-one-out", "agreement"] = "alone"
     # Client-level differential privacy (fl/privacy.py): every clipped uplink gets Gaussian noise of dp_noise x
     # clip_norm on each number; each round records the epsilon spent so far for dp_delta. None: no noise.
     dp_noise: float | None = Field(None, gt=0)
@@ -183,6 +184,13 @@ class FederationSection(_Section):
             raise ValueError(f"federation.aggregator seed-median needs a round's clients to share their step seeds; "
                              f"{self.method}'s do not here (decomfl and hiso share them, zofed with "
                              f"federation.sampling.shared_seeds=true): use median")
+        return self
+
+    @model_validator(mode="after")
+    def _agreement_needs_scalars(self) -> FederationSection:
+        if self.screen_score == "agreement" and get_method(self.method).dense_uplink:
+            raise ValueError(f"federation.screen_score agreement checks a client's scalars, and {self.method} "
+                             f"uploads a dense update: use alone or leave-one-out")
         return self
 
     @model_validator(mode="after")
