@@ -354,3 +354,22 @@ def test_an_agreement_screened_run_refuses_sign_flippers_keeps_honest_clients_an
     with pytest.raises(ConfigError, match="agreement checks a client's scalars"):
         tiny_federated_config(tiny_workspace, tmp_path / "bad", "federation.method=fedavg",
                               "federation.screen_threshold=0", "federation.screen_score=agreement")
+
+
+def test_the_probe_screen_on_a_prefix_cache_scores_as_the_full_model_does(tiny_workspace, tmp_path):
+    """With every block frozen (a trainable label head) the probe batch's frozen body runs once, at the screen's
+    start; its scores are the full forward's."""
+    from zofed.run.screening import probe_loss_screen
+    from zofed.run.setup import build
+
+    head = ("trainable.mode=none", "trainable.label_head=true")
+    scores = []
+    for extra in [head, (*head, "zo.prefix_cache=true")]:
+        setup = build(tiny_federated_config(tiny_workspace, tmp_path / "s", *extra))
+        assert (setup.cache is None) == (len(extra) == 2)
+        score, _, _ = probe_loss_screen(setup, 16, 0, 0.1)
+        base = [t.clone() for t in setup.trainable.tensors()]
+        gen = torch.Generator().manual_seed(0)  # (a constant added to every row moves no softmax)
+        updates = [[0.5 * torch.randn(t.shape, generator=gen) for t in base] for _ in range(2)]
+        scores.append(score(base, updates, []))
+    assert scores[0] == pytest.approx(scores[1], rel=1e-5, abs=1e-6) and scores[0][0] != 0.0

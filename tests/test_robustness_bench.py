@@ -34,8 +34,9 @@ def test_the_report_judges_the_targets_from_the_rows():
             _row("none", 0.0, "clip", 0.775), _row("none", 0.0, "median", 0.70)]
     text = "\n".join(robustness.report_lines(rows))
     assert "## agnews, zofed-averaged-cached (client lr 0.003)" in text
-    assert "| none | 0% | 0.7800 (+0.0) | 0.7750 (-0.5) |  | 0.7000 (-8.0) |  |" in text  # a defense's own price
-    assert "| scale | 20% | 0.6000 (-18.0) | 0.7700 (-1.0) |  | 0.7400 (-4.0) |  |" in text
+    assert "| attack | share | mean | clip | median |" in text  # a column for each defense that has a row
+    assert "| none | 0% | 0.7800 (+0.0) | 0.7750 (-0.5) | 0.7000 (-8.0) |" in text  # a defense's own price
+    assert "| scale | 20% | 0.6000 (-18.0) | 0.7700 (-1.0) | 0.7400 (-4.0) |" in text
     assert "- scale: the plain mean loses 18.0 points (loses at least 5: met); the best defense, clip, loses 1.0 " \
            "points (loses at most 2: met)" in text
     assert "- sign-flip: the plain mean loses 2.0 points (loses at least 5: missed, the attack is too weak here); " \
@@ -79,3 +80,12 @@ def test_each_row_runs_the_chosen_zofed_row_with_its_attack_and_defense(tmp_path
     assert epsilon_spent(fed.dp_noise, fed.partition.num_clients, fed.clients_per_round, fed.rounds, 1e-5) <= 3.0
     with pytest.raises(SystemExit, match="never tuned on sst5"):
         robustness.row_config("sst5", row, "none", 0.0, "mean", 0, None, tmp_path / "run")
+
+
+def test_the_clip_norms_come_from_the_reference_rows_kept_quantiles_or_its_log(tmp_path, monkeypatch):
+    monkeypatch.setattr(robustness, "ROOT", tmp_path)
+    reference = {**_row("none", 0.0, "mean", 0.78), "run_dir": "runs/gone", "honest_norm_quantiles": {"0.9": 4.5}}
+    table = {"rows": {"ref": reference}}
+    assert robustness.honest_quantile(table, "ref", 0.9) == 4.5  # no run directory needed
+    with pytest.raises(SystemExit, match="quantile 0.5 needs the reference run's uplink log"):
+        robustness.honest_quantile(table, "ref", 0.5)

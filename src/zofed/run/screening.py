@@ -22,6 +22,10 @@ Three scores (`federation.screen_score`):
   noise, where a loss change of the whole update cannot: a flipped ZO update is noise, as an honest one is. Its
   price is the replay: a probe pass for every scalar the client sent, which on a trainable label head over
   remembered features costs little, and on a trainable set inside the model as much as the client's own steps.
+  Under label skew it fails (docs/security.md): the label head's rows all read one large common component of the
+  features, so an honest client holding a class the model over-predicts anti-correlates with a balanced probe set
+  as strongly as a flipped one does (AG News at alpha 0.1: 17 of 23 honest uplinks refused at threshold 0). It
+  is a screen for federations whose clients' data look like the probe set's.
 
 The guard is against updates that push the model somewhere harmful, whatever their size; it needs no assumption
 about how many clients lie. In a simulation the probe set is a seeded sample of the training data, standing in for
