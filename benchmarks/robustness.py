@@ -30,6 +30,7 @@ import json
 import os
 import platform
 import sys
+from collections import Counter
 
 import numpy as np
 import torch
@@ -140,14 +141,47 @@ def _change(lost: float) -> str:
     return f"loses {lost:.1f} points" if lost > 0 else f"gains {-lost:.1f}" if lost < 0 else "loses nothing"
 
 
-def _one_defense_lines(mine: dict, clean: float) -> list[str]:
+class Cells:
+    """One (dataset, row)'s accuracies by (attack, fraction, defense) and seed, and each cell's points lost against
+    no attack, paired by seed (a cell's seeds that have the reference)."""
+
+    def __init__(self, rows: list[dict]) -> None:
+        self.by_seed: dict[tuple, dict[int, float]] = {}
+        for r in rows:
+            self.by_seed.setdefault((r["attack"], r["fraction"], r["defense"]), {})[r["seed"]] = r["final_accuracy"]
+        self.clean = self.by_seed.get(("none", 0.0, "mean"), {})
+
+    def __contains__(self, key: tuple) -> bool:
+        return any(s in self.clean for s in self.by_seed.get(key, {}))
+
+    def losses(self, key: tuple) -> list[float]:
+        return [100 * (self.clean[s] - a) for s, a in sorted(self.by_seed[key].items()) if s in self.clean]
+
+    def lost(self, key: tuple) -> float:
+        return float(np.mean(self.losses(key)))
+
+    def accuracy(self, key: tuple) -> float:
+        return float(np.mean([a for s, a in self.by_seed[key].items() if s in self.clean]))
+
+    def spread(self, key: tuple) -> str:
+        """', +-SD over N seeds' when more than one seed ran, else nothing."""
+        losses = self.losses(key)
+        return f", ±{np.std(losses, ddof=1):.1f} over {len(losses)} seeds" if len(losses) > 1 else ""
+
+    def cell(self, key: tuple) -> str:
+        if key not in self:
+            return ""
+        return f"{self.accuracy(key):.4f} ({0.0 - self.lost(key) + 0.0:+.1f}{self.spread(key)})"
+
+
+def _one_defense_lines(cells: Cells) -> list[str]:
     """A deployment runs one defense for whatever comes: each defense's worst loss over the attacks that are real
     here (the plain mean loses at least 5 points at 20%) and over no attack at all (the defense's own price), among
     the defenses run in all those cases."""
-    real = [a for a in ATTACKS if (a, 0.2, "mean") in mine and 100 * (clean - mine[(a, 0.2, "mean")]) >= 5]
+    real = [a for a in ATTACKS if (a, 0.2, "mean") in cells and cells.lost((a, 0.2, "mean")) >= 5]
     cases = [(a, 0.2) for a in real] + [("none", 0.0)]
-    worst = {d: max(100 * (clean - mine[(a, f, d)]) for a, f in cases) for d in DEFENSES
-             if d != "mean" and real and all((a, f, d) in mine for a, f in cases)}
+    worst = {d: max(cells.lost((a, f, d)) for a, f in cases) for d in DEFENSES
+             if d != "mean" and real and all((a, f, d) in cells for a, f in cases)}
     if not worst:
         return []
     best = min(worst, key=worst.get)
@@ -158,61 +192,64 @@ def _one_defense_lines(mine: dict, clean: float) -> list[str]:
 
 
 def report_lines(rows: list[dict]) -> list[str]:
-    """Per dataset and row: accuracy under each attack and defense, the points each loses against no attack, the
-    targets."""
+    """Per dataset and row: accuracy under each attack and defense, the points each loses against no attack (the
+    mean over the seeds run, paired with the reference's, and their spread), the targets."""
     lines = []
     for dataset, row in sorted({(r["dataset"], r["row"]) for r in rows}):
         ours = [r for r in rows if (r["dataset"], r["row"]) == (dataset, row)]
-        mine = {(r["attack"], r["fraction"], r["defense"]): r["final_accuracy"] for r in ours}
-        clean = mine.get(("none", 0.0, "mean"))
+        cells = Cells(ours)
+        clean = ", ".join(f"{a} (seed {s})" for s, a in sorted(cells.clean.items()))
         lines += [f"## {dataset}, {row} (client lr {ours[0]['lr']:g})", "",
-                  f"No attack, no defense: {clean if clean is not None else 'not run yet'}", ""]
-        if clean is None:
+                  f"No attack, no defense: {clean or 'not run yet'}", ""]
+        if not cells.clean:
             continue
-        run = [d for d in DEFENSES if any(key[2] == d for key in mine)]  # the columns: defenses with a row
+        run = [d for d in DEFENSES if any(key[2] == d for key in cells.by_seed)]  # the columns: defenses with a row
         lines += ["| attack | share | " + " | ".join(run) + " |", "|" + "---|" * (len(run) + 2)]
         # the first line: what each defense costs when nobody attacks
         for attack, fraction in [("none", 0.0)] + [(a, f) for a in ATTACKS for f in FRACTIONS]:
-            cells = [mine.get((attack, fraction, d)) for d in run]
-            if any(c is not None for c in cells):
-                lines.append(f"| {attack} | {fraction:.0%} | " + " | ".join(
-                    "" if c is None else f"{c:.4f} ({100 * (c - clean):+.1f})" for c in cells) + " |")
-        lines += ["", "Targets at 20% attackers (points lost against no attack):", ""]
+            row_cells = [cells.cell((attack, fraction, d)) for d in run]
+            if any(row_cells):
+                lines.append(f"| {attack} | {fraction:.0%} | " + " | ".join(row_cells) + " |")
+        lines += ["", "Targets at 20% attackers (points lost against no attack, the mean over the seeds run):", ""]
         for attack in ATTACKS:
-            plain = mine.get((attack, 0.2, "mean"))
-            defended = {d: mine[(attack, 0.2, d)] for d in DEFENSES if d != "mean" and (attack, 0.2, d) in mine}
-            if plain is None or not defended:
+            defended = [d for d in DEFENSES if d != "mean" and (attack, 0.2, d) in cells]
+            if (attack, 0.2, "mean") not in cells or not defended:
                 continue
-            best = max(defended, key=defended.get)
-            lost, plain_lost = 100 * (clean - defended[best]), 100 * (clean - plain)
-            lines.append(f"- {attack}: the plain mean {_change(plain_lost)} (loses at least 5: "
-                         f"{'met' if plain_lost >= 5 else 'missed, the attack is too weak here'}); the best defense, "
-                         f"{best}, {_change(lost)} (loses at most 2: {'met' if lost <= 2 else 'missed'})")
-        lines += _one_defense_lines(mine, clean)
-        private = sorted((r for r in ours if r["defense"].startswith("dp-")),
-                         key=lambda r: (r["defense"].partition("@q")[2], r["dp_epsilon"]))
+            best = min(defended, key=lambda d: cells.lost((attack, 0.2, d)))
+            lost, plain_lost = cells.lost((attack, 0.2, best)), cells.lost((attack, 0.2, "mean"))
+            lines.append(f"- {attack}: the plain mean {_change(plain_lost)}{cells.spread((attack, 0.2, 'mean'))} "
+                         f"(loses at least 5: {'met' if plain_lost >= 5 else 'missed, the attack is too weak here'}); "
+                         f"the best defense, {best}, {_change(lost)}{cells.spread((attack, 0.2, best))} (loses at "
+                         f"most 2: {'met' if lost <= 2 else 'missed'})")
+        lines += _one_defense_lines(cells)
+        private = sorted((r for r in ours if r["defense"].startswith("dp-") and r["seed"] in cells.clean),
+                         key=lambda r: (r["defense"].partition("@q")[2], r["dp_epsilon"], r["seed"]))
         if private:
-            lines += ["", "| epsilon (delta 1e-5) | clip norm (quantile of honest norms) | noise multiplier | accuracy "
-                      "| against no DP |", "|---|---|---|---|---|"]
+            lines += ["", "| epsilon (delta 1e-5) | clip norm (quantile of honest norms) | noise multiplier | seed | "
+                      "accuracy | against no DP |", "|---|---|---|---|---|---|"]
             lines += [f"| {r['dp_epsilon']:.2f} | {r['clip_norm']:.3g} ({r['defense'].partition('@q')[2]}) | "
-                      f"{r['dp_noise']:.3g} | {r['final_accuracy']:.4f} | {100 * (r['final_accuracy'] - clean):+.1f} |"
-                      for r in private]
+                      f"{r['dp_noise']:.3g} | {r['seed']} | {r['final_accuracy']:.4f} | "
+                      f"{100 * (r['final_accuracy'] - cells.clean[r['seed']]):+.1f} |" for r in private]
         lines.append("")
     return lines
 
 
 def write_report(table: dict) -> None:
     lines = ["# Defenses against lying clients, and the price of privacy", "",
-             "zofed on the ranking benchmark's federation (`docs/results/ranking.md`), one seed, test accuracy; each "
-             "cell is the accuracy and, in brackets, the points against no attack. Reproduce: "
-             "`.venv/bin/python benchmarks/robustness.py`.", "", *report_lines(list(table["rows"].values()))]
+             "zofed on the ranking benchmark's federation (`docs/results/ranking.md`), test accuracy; each cell is "
+             "the accuracy and, in brackets, the points against no attack on the same seed (with more than one seed: "
+             "their mean, and its standard deviation). Seeds: " + ", ".join(
+                 f"{s} ({n} rows)" for s, n in sorted(Counter(r["seed"] for r in table["rows"].values()).items()))
+             + ". Reproduce: `.venv/bin/python benchmarks/robustness.py` (`--seed` for another seed).", "",
+             *report_lines(list(table["rows"].values()))]
     write_atomic_text(RESULTS / "robustness.md", "\n".join(lines) + "\n")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--datasets", nargs="*", default=["agnews", "sst2"])
-    parser.add_argument("--attacks", nargs="*", default=ATTACKS, choices=ATTACKS)
+    # none: each defense without attack (its own price); the reference (no attack, no defense) always runs
+    parser.add_argument("--attacks", nargs="*", default=["none", *ATTACKS], choices=["none", *ATTACKS])
     parser.add_argument("--fractions", type=float, nargs="*", default=FRACTIONS)
     # screen-loo and screen-agree run only when named: at threshold 0 the first refuses half of the honest uplinks
     # and lets colluding scaled attackers through, the second refuses most honest uplinks under label skew
@@ -246,13 +283,14 @@ def main() -> None:
                         lambda: write_report(table), "")
         clip = honest_quantile(table, key, args.clip_quantile)
         pending = [(dataset, row, attack, fraction, defense, args.seed, clip) for attack in args.attacks
-                   for fraction in args.fractions for defense in args.defenses]
+                   if attack != "none" for fraction in args.fractions for defense in args.defenses]
         # DP's clip trades the bias of clipping against noise sized by it: its own quantile (the honest norms
         # are heavy-tailed, so the attacks' 90th percentile sizes the noise for the few loudest clients)
         dp_clip = honest_quantile(table, key, args.dp_clip_quantile)
         pending += [(dataset, row, "none", 0.0, f"dp-{eps:g}@q{args.dp_clip_quantile:g}", args.seed, dp_clip)
                     for eps in args.epsilons]
-        pending += [(dataset, row, "none", 0.0, d, args.seed, clip) for d in args.defenses if d != "mean"]
+        if "none" in args.attacks:
+            pending += [(dataset, row, "none", 0.0, d, args.seed, clip) for d in args.defenses if d != "mean"]
         pending = [p for p in pending if row_key(*p[:6]) not in table["rows"]]
         print(f"{dataset}, {row}: {len(pending)} runs to do, {args.jobs} at a time (clip norm {clip:.4g})",
               flush=True)

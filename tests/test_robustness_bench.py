@@ -50,7 +50,7 @@ def test_the_report_judges_the_targets_from_the_rows():
     text = "\n".join(robustness.report_lines(rows))
     assert "- random: the plain mean gains 1.0 (loses at least 5: missed, the attack is too weak here); the best " \
            "defense, screen, loses nothing (loses at most 2: met)" in text
-    assert "| 7.90 | 1.25 (0.5) | 0.8 | 0.7500 | -3.0 |" in text
+    assert "| 7.90 | 1.25 (0.5) | 0.8 | 0 | 0.7500 | -3.0 |" in text
     assert "not run yet" in "\n".join(robustness.report_lines([_row("scale", 0.2, "mean", 0.6)]))
 
 
@@ -89,3 +89,19 @@ def test_the_clip_norms_come_from_the_reference_rows_kept_quantiles_or_its_log(t
     assert robustness.honest_quantile(table, "ref", 0.9) == 4.5  # no run directory needed
     with pytest.raises(SystemExit, match="quantile 0.5 needs the reference run's uplink log"):
         robustness.honest_quantile(table, "ref", 0.5)
+
+
+def test_cells_with_several_seeds_show_the_mean_paired_loss_and_its_spread():
+    def seeded(seed, *args):
+        return {**_row(*args), "seed": seed}
+
+    rows = [seeded(0, "none", 0.0, "mean", 0.80), seeded(1, "none", 0.0, "mean", 0.70),
+            seeded(0, "sign-flip", 0.2, "mean", 0.70), seeded(1, "sign-flip", 0.2, "mean", 0.66),
+            seeded(0, "sign-flip", 0.2, "clip", 0.78), seeded(1, "sign-flip", 0.2, "clip", 0.69),
+            seeded(2, "sign-flip", 0.2, "clip", 0.10)]  # seed 2 has no reference: left out
+    text = "\n".join(robustness.report_lines(rows))
+    assert "No attack, no defense: 0.8 (seed 0), 0.7 (seed 1)" in text
+    # losses paired by seed: clip 2 and 1 points (mean 1.5), the mean 10 and 4 (mean 7)
+    assert "| sign-flip | 20% | 0.6800 (-7.0, ±4.2 over 2 seeds) | 0.7350 (-1.5, ±0.7 over 2 seeds) |" in text
+    assert "- sign-flip: the plain mean loses 7.0 points, ±4.2 over 2 seeds (loses at least 5: met); the best " \
+           "defense, clip, loses 1.5 points, ±0.7 over 2 seeds (loses at most 2: met)" in text
