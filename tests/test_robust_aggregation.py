@@ -282,55 +282,79 @@ def test_leave_one_out_screening_refuses_what_pulls_the_rounds_mean_away_and_kee
     assert leave_one_out_scores(loss_of, start, [], threshold=0.0) == []
 
 
-def test_agreement_screening_scores_sign_flipped_scalars_above_zero_and_skewed_honest_ones_below():
-    """Clients step on quadratics around targets of their own, far from the probe set's (label skew), and send
-    noisy directional derivatives; one flips every sign, one sends random numbers. The score (minus the rank
-    correlation of a client's scalars with the probe's derivatives along its own directions, at its own weights)
-    is below zero for every honest client and above it for the flipped one; the random one scores near zero."""
-    from zofed.run.screening import agreement_scores, rank_correlation
+def _quadratic_clients(dim, common_mode, lies):
+    """Replays of clients stepping on quadratics around targets of their own (the probe set's, ones, plus a skew
+    twice its norm, plus `common_mode` times a sign of their own along `AXIS`), sending noisy directional
+    derivatives; `lies[c]` is None, "flip" or "random". Returns (probe loss, replays, the common-mode regressor)."""
     from zofed.zo.perturb import Perturbation, write_directions_
     from zofed.zo.step import StepRecord
 
-    dim, steps, queries, eps = 50, 20, 4, 1e-3
+    steps, queries = 20, 4
     gen = torch.Generator().manual_seed(0)
     probe_target = torch.ones(dim)
+    axis = torch.zeros(dim)
+    axis[0] = 1.0
     pert = Perturbation()
-
-    def loss_of(tensors):
-        return float(((tensors[0] - probe_target) ** 2).sum())
 
     def direction(seed):
         out = [torch.empty(dim)]
         write_directions_(out, [torch.zeros(dim)], [(seed, 1.0)], pert)
         return out[0]
 
-    def client(owner, lie=None):
-        target = probe_target + 2.0 * torch.randn(dim, generator=gen)  # |skew| ~ 2x the probe target's norm
+    def client(owner, lie):
+        side = 1.0 if owner % 2 else -1.0
+        target = probe_target + 2.0 * torch.randn(dim, generator=gen) + side * common_mode * axis
         noise = torch.Generator().manual_seed(100 + owner)
 
         def replay(visit):
             w = [torch.zeros(dim)]
             for t in range(steps):
-                record = StepRecord(t, 1000 * owner + t, (), float("nan"))
-                us = [direction(s) for s in StepRecord(t, record.seed, (0.0,) * queries, 0.0).query_seeds()]
+                seeds = StepRecord(t, 1000 * owner + t, (0.0,) * queries, 0.0).query_seeds()
+                us = [direction(s) for s in seeds]
                 grads = [float(2 * (w[0] - target) @ u) + 5.0 * float(torch.randn(1, generator=noise)) for u in us]
                 if lie == "flip":
                     grads = [-g for g in grads]
                 elif lie == "random":
                     grads = [10.0 * float(torch.randn(1, generator=noise)) for _ in grads]
-                record = StepRecord(t, record.seed, tuple(grads), float("nan"))
-                visit(w, record, pert)
+                visit(w, StepRecord(t, 1000 * owner + t, tuple(grads), float("nan")), pert)
                 w = [w[0] - 1e-3 * sum(g / queries * u for g, u in zip(grads, us, strict=True))]
             return w
 
         return replay
 
-    replays = [client(c) for c in range(5)] + [client(5, "flip"), client(6, "random")]
-    scores = agreement_scores(loss_of, replays, eps)
+    def loss_of(tensors):
+        return float(((tensors[0] - probe_target) ** 2).sum())
+
+    return loss_of, [client(c, lie) for c, lie in enumerate(lies)], lambda d: np.array([float(d[0] @ axis)])
+
+
+def test_agreement_screening_scores_sign_flipped_scalars_above_zero_and_skewed_honest_ones_below():
+    """Skewed honest clients send noisy directional derivatives; one flips every sign, one sends random numbers.
+    The score (minus the rank correlation of a client's scalars with the probe's derivatives along its own
+    directions, at its own weights) is below zero for every honest client and above it for the flipped one; the
+    random one scores near zero."""
+    from zofed.run.screening import agreement_scores, rank_correlation
+
+    loss_of, replays, _ = _quadratic_clients(50, 0.0, [None] * 5 + ["flip", "random"])
+    scores = agreement_scores(loss_of, replays, 1e-3)
     assert all(s < 0.0 for s in scores[:5]) and scores[5] > 0.0
     assert abs(scores[6]) < 0.35 and scores[6] > max(scores[:5])
     assert rank_correlation(np.ones(4), np.arange(4.0)) == 0.0  # one value repeated says nothing
     assert rank_correlation(np.arange(5.0), np.arange(5.0) ** 3) == pytest.approx(1.0)
+
+
+def test_agreement_screening_regresses_out_a_common_mode_that_half_the_honest_clients_oppose():
+    """Each client's target also lies far along one axis, on a side of its own (as a label head's rows under label
+    skew, along the features' common component): raw, the honest clients on the far side anti-correlate with the
+    probe set, as a flipped client does. Regressed on each direction's component along that axis, every honest
+    client scores below zero and the flipped one above."""
+    from zofed.run.screening import agreement_scores
+
+    loss_of, replays, common = _quadratic_clients(50, 40.0, [None] * 6 + ["flip"])
+    raw = agreement_scores(loss_of, replays, 1e-3)
+    assert any(s > 0.0 for s in raw[:6])  # what fails without the correction
+    corrected = agreement_scores(loss_of, replays, 1e-3, common)
+    assert all(s < 0.0 for s in corrected[:6]) and corrected[6] > 0.0
 
 
 def test_an_agreement_screened_run_refuses_sign_flippers_keeps_honest_clients_and_replays(tiny_workspace, tmp_path):
@@ -373,3 +397,20 @@ def test_the_probe_screen_on_a_prefix_cache_scores_as_the_full_model_does(tiny_w
         updates = [[0.5 * torch.randn(t.shape, generator=gen) for t in base] for _ in range(2)]
         scores.append(score(base, updates, []))
     assert scores[0] == pytest.approx(scores[1], rel=1e-5, abs=1e-6) and scores[0][0] != 0.0
+
+
+def test_the_head_common_mode_has_a_regressor_per_head_row_and_only_with_every_block_frozen(tiny_workspace, tmp_path):
+    from zofed.run.screening import head_common_mode
+    from zofed.run.setup import build
+
+    head = ("trainable.mode=none", "trainable.label_head=true", "zo.prefix_cache=true")
+    setup = build(tiny_federated_config(tiny_workspace, tmp_path / "h", *head))
+    along = head_common_mode(setup, np.arange(8))
+    rows = setup.trainable.tensors()[0].view(2, -1)  # two classes, a row each
+    values = along([torch.ones_like(t) for t in setup.trainable.tensors()])
+    assert values.shape == (2,) and values[0] == pytest.approx(values[1])  # the same unit mean feature for each row
+    r = torch.randn(rows.shape[1], generator=torch.Generator().manual_seed(0))
+    opposed = along([torch.cat([r, -r])])
+    assert opposed[0] == pytest.approx(-opposed[1]) and opposed[0] != 0.0  # each row read on its own
+    assert along([3 * torch.cat([r, -r])]) == pytest.approx(3 * opposed)  # a linear read of the direction
+    assert head_common_mode(build(tiny_federated_config(tiny_workspace, tmp_path / "l")), np.arange(8)) is None

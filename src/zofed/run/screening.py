@@ -16,16 +16,20 @@ Three scores (`federation.screen_score`):
   steps from its seeds (it can: that is how it rebuilds the update) and, at each step's weights, measures the
   probe loss's own directional derivative along each of the step's directions (one-sided, q + 1 probe passes a
   step). The score is minus the rank correlation between the client's scalars and those derivatives: an honest
-  client's data pulls the same way as the probe set's more often than not, so its correlation is positive, and a
-  client that flips its scalars' signs (or sends scalars of another task, or random ones) scores near or above
-  zero. Over a round's hundreds of scalars the correlation separates the two even when each pair is mostly
-  noise, where a loss change of the whole update cannot: a flipped ZO update is noise, as an honest one is. Its
-  price is the replay: a probe pass for every scalar the client sent, which on a trainable label head over
-  remembered features costs little, and on a trainable set inside the model as much as the client's own steps.
-  Under label skew it fails (docs/security.md): the label head's rows all read one large common component of the
-  features, so an honest client holding a class the model over-predicts anti-correlates with a balanced probe set
-  as strongly as a flipped one does (AG News at alpha 0.1: 17 of 23 honest uplinks refused at threshold 0). It
-  is a screen for federations whose clients' data look like the probe set's.
+  client's data pulls the same way as the probe set's, so its correlation is positive, and a client that flips
+  its scalars' signs scores as far above zero as an honest one below it. Over a round's hundreds of scalars the
+  correlation separates the two even when each pair is mostly noise, where a loss change of the whole update
+  cannot: a flipped ZO update is noise, as an honest one is. Its price is the replay: a probe pass for every
+  scalar the client sent, which on a trainable label head over remembered features costs little, and on a
+  trainable set inside the model as much as the client's own steps.
+  Label skew needs one correction, on a trainable label head. Its rows all read one large common component of the
+  features (83% of their energy on AG News), and under skew a client's scalars are dominated by how it moves each
+  row along it: up for the classes it holds, which the balanced probe set pulls down wherever the model
+  over-predicts them. Raw, honest clients anti-correlate as often as flipped ones (AG News at alpha 0.1: 17 of
+  23 honest uplinks refused at threshold 0, docs/security.md). So with every block frozen, both series are first
+  regressed on each direction's component along that common feature (one regressor per head row: the row's
+  direction dotted with the probe features' mean direction) and the residuals are correlated: what a client says
+  about which features tell its classes apart, which a balanced probe set says too.
 
 The guard is against updates that push the model somewhere harmful, whatever their size; it needs no assumption
 about how many clients lie. In a simulation the probe set is a seeded sample of the training data, standing in for
@@ -42,6 +46,7 @@ import torch
 from zofed import streams
 from zofed.fl.client import load_tensors_
 from zofed.fl.roles import Replay, Screen
+from zofed.models.selection import LABEL_HEAD
 from zofed.run.setup import Setup
 from zofed.zo.perturb import Perturbation, write_directions_
 from zofed.zo.step import StepRecord
@@ -87,11 +92,25 @@ def rank_correlation(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.corrcoef(ranks_a, ranks_b)[0, 1])
 
 
-def agreement_scores(loss_of: LossOf, replays: Sequence[Replay], eps: float) -> list[float]:
+Regressors = Callable[[Sequence[torch.Tensor]], np.ndarray]  # a direction -> the values to regress out along it
+
+
+def residuals(values: np.ndarray, regressors: np.ndarray) -> np.ndarray:
+    """`values` less their least-squares fit on an intercept and `regressors` (rows: samples); unchanged when
+    there are too few samples to fit."""
+    design = np.column_stack([np.ones(len(values)), regressors])
+    if len(values) <= design.shape[1] + 1:
+        return values
+    return values - design @ np.linalg.lstsq(design, values, rcond=None)[0]
+
+
+def agreement_scores(loss_of: LossOf, replays: Sequence[Replay], eps: float,
+                     common: Regressors | None = None) -> list[float]:
     """Minus the rank correlation between each client's scalars and the probe loss's directional derivatives along
-    the same directions at the same weights (see the module's note)."""
+    the same directions at the same weights, after both are regressed on `common`'s values of each direction
+    (see the module's note)."""
     def score(replay: Replay) -> float:
-        sent, probe = [], []
+        sent, probe, along = [], [], []
 
         def visit(tensors: Sequence[torch.Tensor], record: StepRecord, pert: Perturbation) -> None:
             centre = loss_of(tensors)
@@ -100,11 +119,37 @@ def agreement_scores(loss_of: LossOf, replays: Sequence[Replay], eps: float) -> 
                 write_directions_(moved, tensors, [(seed, eps)], pert)
                 sent.append(scalar)
                 probe.append((loss_of(moved) - centre) / eps)
+                if common is not None:
+                    along.append(common([(m - t) / eps for m, t in zip(moved, tensors, strict=True)]))
 
         replay(visit)
-        return -rank_correlation(np.asarray(sent), np.asarray(probe))
+        sent_values, probe_values = np.asarray(sent, np.float64), np.asarray(probe, np.float64)
+        if common is not None:
+            sent_values, probe_values = residuals(sent_values, np.asarray(along)), residuals(probe_values,
+                                                                                           np.asarray(along))
+        return -rank_correlation(sent_values, probe_values)
 
     return [score(replay) for replay in replays]
+
+
+def head_common_mode(setup: Setup, indices: np.ndarray) -> Regressors | None:
+    """The label head's common-mode regressors (see the module's note): for each head row, a direction's part of
+    that row dotted with the unit mean of the probe examples' features, as the head reads them. None unless the
+    head trains and every block is frozen (the features then never change)."""
+    cache = setup.cache
+    heads = [i for i, name in enumerate(setup.trainable.names) if LABEL_HEAD in name.split(".")]
+    if not heads or cache is None or cache.start != len(cache.layers):
+        return None
+    with torch.no_grad():
+        features = cache.backbone.norm(setup.task.last_features(cache, setup.train, indices, len(indices))).float()
+    mean = features.mean(0)
+    unit = (mean / mean.norm()).cpu()
+
+    def along(direction: Sequence[torch.Tensor]) -> np.ndarray:
+        return np.concatenate([(direction[i].detach().float().cpu().view(-1, unit.numel()) @ unit).numpy()
+                               for i in heads])
+
+    return along
 
 
 def probe_loss_screen(setup: Setup, examples: int, seed: int, threshold: float, score: str = "alone",
@@ -118,6 +163,7 @@ def probe_loss_screen(setup: Setup, examples: int, seed: int, threshold: float, 
     params = setup.trainable.tensors()
     # with a prefix cache the frozen bottom (every block, on a trainable head) runs over the probe batch once, here
     cached = None if setup.cache is None else setup.task.cached_loss(setup.model, setup.cache, batch)
+    common = head_common_mode(setup, indices) if score == "agreement" else None
 
     def loss_of(tensors: Sequence[torch.Tensor]) -> float:
         load_tensors_(params, tensors)
@@ -130,7 +176,7 @@ def probe_loss_screen(setup: Setup, examples: int, seed: int, threshold: float, 
             if score == "alone":
                 return alone_scores(loss_of, tensors, updates)
             if score == "agreement":
-                return agreement_scores(loss_of, replays, eps)
+                return agreement_scores(loss_of, replays, eps, common)
             return leave_one_out_scores(loss_of, tensors, updates, threshold)
         finally:
             load_tensors_(params, held)
