@@ -9,9 +9,10 @@ test split. Rows:
 - each attack (`sign-flip`, `scale` x100, `random`, `label-flip`, `stale`; fl/attacks.py) at 10% and 20% of the
   clients, under each defense: `mean` (none), `clip` (federation.clip_norm), `trimmed-mean` (trim 0.2),
   `median`, `screen` (federation.screen_threshold 0.1 on 32 probe examples: each update's own loss change),
-  `screen-loo` (threshold 0 on the leave-one-out score: what each update does to the round's mean) and
+  `screen-loo` (threshold 0 on the leave-one-out score: what each update does to the round's mean),
   `screen-agree` (threshold 0 on the agreement score: minus the rank correlation of a client's scalars with the
-  probe set's derivatives), the last two only when named in `--defenses` (measured to fail here: docs/security.md);
+  probe set's derivatives, the label head's common mode regressed out) and `clip+agree` (both), the last three
+  only when named in `--defenses`;
 - differential privacy (federation.dp_noise with clip_norm) with the noise that spends epsilon 1, 3 and 8 at
   delta 1e-5 over the run's rounds (solved with the same accountant the run reports with).
 
@@ -53,8 +54,10 @@ FRACTIONS = [0.1, 0.2]
 DEFENSES = {"mean": [], "clip": ["clip"], "trimmed-mean": ["federation.aggregator=trimmed-mean", "federation.trim=0.2"],
             "median": ["federation.aggregator=median"], "screen": ["federation.screen_threshold=0.1"],
             "screen-loo": ["federation.screen_threshold=0", "federation.screen_score=leave-one-out"],
-            "screen-agree": ["federation.screen_threshold=0", "federation.screen_score=agreement"]}
-NAMED_ONLY = ("screen-loo", "screen-agree")  # defenses measured to fail here (docs/security.md)
+            "screen-agree": ["federation.screen_threshold=0", "federation.screen_score=agreement"],
+            "clip+agree": ["clip", "federation.screen_threshold=0", "federation.screen_score=agreement"]}
+# screen-loo fails here (docs/security.md); screen-agree and clip+agree are new: each runs only when named
+NAMED_ONLY = ("screen-loo", "screen-agree", "clip+agree")
 EPSILONS = [1.0, 3.0, 8.0]
 DELTA = 1e-5
 TRAINABLE, BUDGET, ALPHA = "head", 1000.0, 0.1
@@ -251,9 +254,6 @@ def main() -> None:
     # none: each defense without attack (its own price); the reference (no attack, no defense) always runs
     parser.add_argument("--attacks", nargs="*", default=["none", *ATTACKS], choices=["none", *ATTACKS])
     parser.add_argument("--fractions", type=float, nargs="*", default=FRACTIONS)
-    # screen-loo and screen-agree run only when named: at threshold 0 the first refuses half of the honest uplinks
-    # and lets colluding scaled attackers through, the second refuses most honest uplinks under label skew
-    # (docs/security.md)
     parser.add_argument("--defenses", nargs="*", default=[d for d in DEFENSES if d not in NAMED_ONLY],
                         choices=list(DEFENSES))
     parser.add_argument("--epsilons", type=float, nargs="*", default=EPSILONS)
