@@ -304,9 +304,8 @@ def _quadratic_clients(dim, common_mode, lies):
     def client(owner, lie):
         side = 1.0 if owner % 2 else -1.0
         target = probe_target + 2.0 * torch.randn(dim, generator=gen) + side * common_mode * axis
-        noise = torch.Generator().manual_seed(100 + owner)
-
-        def replay(visit):
+        def replay(visit):  # the same steps each time it is called, as a server's replay of one uplink
+            noise = torch.Generator().manual_seed(100 + owner)
             w = [torch.zeros(dim)]
             for t in range(steps):
                 seeds = StepRecord(t, 1000 * owner + t, (0.0,) * queries, 0.0).query_seeds()
@@ -336,9 +335,16 @@ def test_agreement_screening_scores_sign_flipped_scalars_above_zero_and_skewed_h
     from zofed.run.screening import agreement_scores, rank_correlation
 
     loss_of, replays, _ = _quadratic_clients(50, 0.0, [None] * 5 + ["flip", "random"])
-    scores = agreement_scores(loss_of, replays, 1e-3)
+    scores = agreement_scores(loss_of, [torch.zeros(50)], replays, 1e-3)
     assert all(s < 0.0 for s in scores[:5]) and scores[5] > 0.0
     assert abs(scores[6]) < 0.35 and scores[6] > max(scores[:5])
+    # the probe is read at the round's start, not along the replayed steps: a server replaying a flipped uplink
+    # walks the flipped path, and derivatives read along it would flip with the scalars (measured on AG News:
+    # a flipped client then scored as its honest self did)
+    def elsewhere(replay):
+        return lambda visit: replay(lambda tensors, record, pert: visit([t + 5.0 for t in tensors], record, pert))
+
+    assert agreement_scores(loss_of, [torch.zeros(50)], [elsewhere(replays[0])], 1e-3) == [scores[0]]
     assert rank_correlation(np.ones(4), np.arange(4.0)) == 0.0  # one value repeated says nothing
     assert rank_correlation(np.arange(5.0), np.arange(5.0) ** 3) == pytest.approx(1.0)
 
@@ -351,9 +357,9 @@ def test_agreement_screening_regresses_out_a_common_mode_that_half_the_honest_cl
     from zofed.run.screening import agreement_scores
 
     loss_of, replays, common = _quadratic_clients(50, 40.0, [None] * 6 + ["flip"])
-    raw = agreement_scores(loss_of, replays, 1e-3)
+    raw = agreement_scores(loss_of, [torch.zeros(50)], replays, 1e-3)
     assert any(s > 0.0 for s in raw[:6])  # what fails without the correction
-    corrected = agreement_scores(loss_of, replays, 1e-3, common)
+    corrected = agreement_scores(loss_of, [torch.zeros(50)], replays, 1e-3, common)
     assert all(s < 0.0 for s in corrected[:6]) and corrected[6] > 0.0
 
 
