@@ -30,9 +30,10 @@ Three scores (`federation.screen_score`):
   frozen, both series are first regressed on each direction's component along that common feature (one
   regressor per head row: the row's direction dotted with the probe features' mean direction) and the residuals
   are correlated: what a client says about which features tell its classes apart, which a balanced probe set
-  says too. Measured offline on AG News at alpha 0.1, this lowers the share of honest uplinks that score above
-  zero from 44% to 26%; the agreement is weak under such skew, so the screen refuses about three flipped uplinks
-  in four and one honest uplink in four at threshold 0.
+  says too. Measured on AG News at alpha 0.1 this lowers the share of honest uplinks that score above zero early
+  in a run from 44% to 26%, but the agreement fades as the model fits the probe set: over a whole run with 20%
+  sign flippers the screen refused 57% of the flipped uplinks and 40% of the honest ones, and lost 5.7 points
+  (docs/security.md). It suits federations whose clients' data resemble the probe set.
 
 The guard is against updates that push the model somewhere harmful, whatever their size; it needs no assumption
 about how many clients lie. In a simulation the probe set is a seeded sample of the training data, standing in for
