@@ -2,10 +2,12 @@
 
 Protocol: the ranking benchmark's federation (benchmarks/ranking_protocol.py: SmolLM2, 50 clients under Dirichlet
 label skew alpha 0.1, 5 a round, the label head, the same client compute as the ranking's rows) running zofed's
-row there, the zofed variant the ranking chose on validation (`--row` for another) at its tuned lr; one seed, the
-test split. Rows:
+row there, the zofed variant the ranking chose on validation (`--row` for another) at its tuned lr; the test split;
+seed 0 (`--seed` for another: each seed runs its own reference and calibrates its own clip norm, and the report
+pairs every row with its seed's reference). Rows:
 
-- `none`: no attack and no defense (the reference), and no attack under each defense (what a defense costs);
+- `none`: no attack and no defense (the reference), and no attack under each defense (what a defense costs; these
+  run when `--attacks` names `none`, as it does by default);
 - each attack (`sign-flip`, `scale` x100, `random`, `label-flip`, `stale`; fl/attacks.py) at 10% and 20% of the
   clients, under each defense: `mean` (none), `clip` (federation.clip_norm), `trimmed-mean` (trim 0.2),
   `median`, `screen` (federation.screen_threshold 0.1 on 32 probe examples: each update's own loss change),
