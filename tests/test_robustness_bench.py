@@ -98,10 +98,12 @@ def test_cells_with_several_seeds_show_the_mean_paired_loss_and_its_spread():
     rows = [seeded(0, "none", 0.0, "mean", 0.80), seeded(1, "none", 0.0, "mean", 0.70),
             seeded(0, "sign-flip", 0.2, "mean", 0.70), seeded(1, "sign-flip", 0.2, "mean", 0.66),
             seeded(0, "sign-flip", 0.2, "clip", 0.78), seeded(1, "sign-flip", 0.2, "clip", 0.69),
-            seeded(2, "sign-flip", 0.2, "clip", 0.10)]  # seed 2 has no reference: left out
+            seeded(2, "sign-flip", 0.2, "clip", 0.10),  # seed 2 has no reference: left out
+            seeded(0, "sign-flip", 0.2, "median", 0.80)]  # better, but on one of the mean's two seeds: not judged
     text = "\n".join(robustness.report_lines(rows))
     assert "No attack, no defense: 0.8 (seed 0), 0.7 (seed 1)" in text
     # losses paired by seed: clip 2 and 1 points (mean 1.5), the mean 10 and 4 (mean 7)
     assert "| sign-flip | 20% | 0.6800 (-7.0, ±4.2 over 2 seeds) | 0.7350 (-1.5, ±0.7 over 2 seeds) |" in text
     assert "- sign-flip: the plain mean loses 7.0 points, ±4.2 over 2 seeds (loses at least 5: met); the best " \
-           "defense, clip, loses 1.5 points, ±0.7 over 2 seeds (loses at most 2: met)" in text
+           "defense, clip, loses 1.5 points, ±0.7 over 2 seeds (loses at most 2: met); not judged, run on fewer " \
+           "of the mean's seeds: median" in text
