@@ -2,6 +2,7 @@
 uplink can carry (fl/aggregate.py), through the server role and in a whole run."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -184,7 +185,7 @@ def test_a_run_with_a_robust_aggregator_and_clipping_records_the_clipped_uplinks
 
 
 def test_screening_refuses_the_updates_scored_above_the_threshold():
-    def by_size(tensors, updates, replays):  # a stand-in score: the update's largest value
+    def by_size(tensors, updates, steps):  # a stand-in score: the update's largest value
         return [max(float(d.abs().max()) for d in update) for update in updates]
 
     honest_move = _server_round(WeightedMean(), attacker_scale=1.0)[0]
@@ -283,9 +284,10 @@ def test_leave_one_out_screening_refuses_what_pulls_the_rounds_mean_away_and_kee
 
 
 def _quadratic_clients(dim, common_mode, lies):
-    """Replays of clients stepping on quadratics around targets of their own (the probe set's, ones, plus a skew
-    twice its norm, plus `common_mode` times a sign of their own along `AXIS`), sending noisy directional
-    derivatives; `lies[c]` is None, "flip" or "random". Returns (probe loss, replays, the common-mode regressor)."""
+    """Clients stepping on quadratics around targets of their own (the probe set's, ones, plus a skew twice its
+    norm, plus `common_mode` times a sign of their own along the first axis), sending noisy directional
+    derivatives; `lies[c]` is None, "flip" or "random". Returns (probe loss, each client's steps as the server
+    reads them, the common-mode regressor)."""
     from zofed.zo.perturb import Perturbation, write_directions_
     from zofed.zo.step import StepRecord
 
@@ -304,22 +306,19 @@ def _quadratic_clients(dim, common_mode, lies):
     def client(owner, lie):
         side = 1.0 if owner % 2 else -1.0
         target = probe_target + 2.0 * torch.randn(dim, generator=gen) + side * common_mode * axis
-        def replay(visit):  # the same steps each time it is called, as a server's replay of one uplink
-            noise = torch.Generator().manual_seed(100 + owner)
-            w = [torch.zeros(dim)]
-            for t in range(steps):
-                seeds = StepRecord(t, 1000 * owner + t, (0.0,) * queries, 0.0).query_seeds()
-                us = [direction(s) for s in seeds]
-                grads = [float(2 * (w[0] - target) @ u) + 5.0 * float(torch.randn(1, generator=noise)) for u in us]
-                if lie == "flip":
-                    grads = [-g for g in grads]
-                elif lie == "random":
-                    grads = [10.0 * float(torch.randn(1, generator=noise)) for _ in grads]
-                visit(w, StepRecord(t, 1000 * owner + t, tuple(grads), float("nan")), pert)
-                w = [w[0] - 1e-3 * sum(g / queries * u for g, u in zip(grads, us, strict=True))]
-            return w
-
-        return replay
+        noise = torch.Generator().manual_seed(100 + owner)
+        w, sent = torch.zeros(dim), []
+        for t in range(steps):
+            seeds = StepRecord(t, 1000 * owner + t, (0.0,) * queries, 0.0).query_seeds()
+            us = [direction(s) for s in seeds]
+            grads = [float(2 * (w - target) @ u) + 5.0 * float(torch.randn(1, generator=noise)) for u in us]
+            if lie == "flip":
+                grads = [-g for g in grads]
+            elif lie == "random":
+                grads = [10.0 * float(torch.randn(1, generator=noise)) for _ in grads]
+            sent.append((StepRecord(t, 1000 * owner + t, tuple(grads), float("nan")), pert))
+            w = w - 1e-3 * sum(g / queries * u for g, u in zip(grads, us, strict=True))
+        return sent
 
     def loss_of(tensors):
         return float(((tensors[0] - probe_target) ** 2).sum())
@@ -334,17 +333,15 @@ def test_agreement_screening_scores_sign_flipped_scalars_above_zero_and_skewed_h
     random one scores near zero."""
     from zofed.run.screening import agreement_scores, rank_correlation
 
-    loss_of, replays, _ = _quadratic_clients(50, 0.0, [None] * 5 + ["flip", "random"])
-    scores = agreement_scores(loss_of, [torch.zeros(50)], replays, 1e-3)
+    loss_of, steps, _ = _quadratic_clients(50, 0.0, [None] * 5 + ["flip", "random"])
+    scores = agreement_scores(loss_of, [torch.zeros(50)], steps, 1e-3)
     assert all(s < 0.0 for s in scores[:5]) and scores[5] > 0.0
     assert abs(scores[6]) < 0.35 and scores[6] > max(scores[:5])
-    # the probe is read at the round's start, not along the replayed steps: a server replaying a flipped uplink
-    # walks the flipped path, and derivatives read along it would flip with the scalars (measured on AG News:
-    # a flipped client then scored as its honest self did)
-    def elsewhere(replay):
-        return lambda visit: replay(lambda tensors, record, pert: visit([t + 5.0 for t in tensors], record, pert))
-
-    assert agreement_scores(loss_of, [torch.zeros(50)], [elsewhere(replays[0])], 1e-3) == [scores[0]]
+    # the probe is read at the round's start, not along the client's path: read along a flipped uplink's replayed
+    # path, derivatives flip with the scalars (measured on AG News: a flipped client then scored as its honest
+    # self did). Read at the start, flipping a client's scalars negates its score exactly.
+    flipped = [(replace(record, grads=tuple(-g for g in record.grads)), pert) for record, pert in steps[0]]
+    assert agreement_scores(loss_of, [torch.zeros(50)], [flipped], 1e-3) == [pytest.approx(-scores[0])]
     assert rank_correlation(np.ones(4), np.arange(4.0)) == 0.0  # one value repeated says nothing
     assert rank_correlation(np.arange(5.0), np.arange(5.0) ** 3) == pytest.approx(1.0)
 
@@ -356,10 +353,10 @@ def test_agreement_screening_regresses_out_a_common_mode_that_half_the_honest_cl
     client scores below zero and the flipped one above."""
     from zofed.run.screening import agreement_scores
 
-    loss_of, replays, common = _quadratic_clients(50, 40.0, [None] * 6 + ["flip"])
-    raw = agreement_scores(loss_of, [torch.zeros(50)], replays, 1e-3)
+    loss_of, steps, common = _quadratic_clients(50, 40.0, [None] * 6 + ["flip"])
+    raw = agreement_scores(loss_of, [torch.zeros(50)], steps, 1e-3)
     assert any(s > 0.0 for s in raw[:6])  # what fails without the correction
-    corrected = agreement_scores(loss_of, [torch.zeros(50)], replays, 1e-3, common)
+    corrected = agreement_scores(loss_of, [torch.zeros(50)], steps, 1e-3, common)
     assert all(s < 0.0 for s in corrected[:6]) and corrected[6] > 0.0
 
 

@@ -30,18 +30,16 @@ from zofed.fl.plan import FederationPlan, LocalTraining
 from zofed.fl.pooled import PooledTerms, RoundSteps
 from zofed.fl.privacy import add_noise, client_noise, new_secret, server_noise
 from zofed.fl.protocol import ClientUpdate, ServerBroadcast, decode, encode
-from zofed.fl.server import RoundInbox, StepVisit, broadcast, rebuild_client_update, receive, unflatten
+from zofed.fl.server import ClientSteps, RoundInbox, broadcast, client_steps, rebuild_client_update, receive, unflatten
 from zofed.fl.server_opt import ServerOptimizer, make_server_optimizer
 from zofed.zo.optim import OptState
-
-Replay = Callable[[StepVisit], object]  # reruns one client's local steps, showing each to a visitor
 
 
 class Screen(NamedTuple):
     """How the server scores each accepted update (run/screening.py), and the score above which it is refused."""
 
-    # score(global tensors, each client's rebuilt update, each client's replay) -> one float per update
-    score: Callable[[Sequence[torch.Tensor], list[list[torch.Tensor]], list[Replay]], list[float]]
+    # score(global tensors, each client's rebuilt update, each client's steps) -> one float per update
+    score: Callable[[Sequence[torch.Tensor], list[list[torch.Tensor]], list[ClientSteps]], list[float]]
     threshold: float
     measure: str = "probe loss change"  # what the score is, in the rejection's reason
 
@@ -202,10 +200,9 @@ class ServerRole:
         nothing after this (the aggregator, the method's probes, the uplink log) sees them."""
         score, threshold, measure = self.screen
         updates = [self.contribution(u, local).rebuild(self.tensors) for u in inbox.accepted]
-        replays = [lambda visit, u=u: rebuild_client_update(self.method, self.tensors, u, local, self.masks,
-                                                             self._sent.get(u.client_id), visit)
-                   for u in inbox.accepted]
-        scores = score(self.tensors, updates, replays)
+        steps = [client_steps(self.method, self.tensors, u, local, self.masks, self._sent.get(u.client_id))
+                 for u in inbox.accepted]
+        scores = score(self.tensors, updates, steps)
         keep = [s <= threshold for s in scores]
         for update, kept, s in zip(inbox.accepted, keep, scores, strict=True):
             if not kept:

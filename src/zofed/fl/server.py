@@ -5,7 +5,7 @@ server_opt.py applies the result).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,28 +56,33 @@ def _check_against_round(update: ClientUpdate, local: LocalTraining, num_trainab
         raise MessageError("bad_field", "num_examples must be at least 1")
 
 
-# called before each replayed step with the client's tensors then, the step, and the perturbation it drew from
-StepVisit = Callable[[Sequence[torch.Tensor], StepRecord, Perturbation], None]
+ClientSteps = Iterator[tuple[StepRecord, Perturbation]]  # a seed-and-scalar uplink's steps, each with its directions
+
+
+def client_steps(method: Method, start: Sequence[torch.Tensor], update: ClientUpdate, local: LocalTraining,
+                 masks: Sequence[torch.Tensor | None] | None = None,
+                 sent_state: np.ndarray | None = None) -> ClientSteps:
+    """One client's local steps as the server reads them from its uplink, in order: each step's record (seed,
+    scalars) with the perturbation its directions were drawn from, made as they are read (none for a dense
+    upload)."""
+    if update.dense is not None:
+        return iter(())
+    records = step_records(update)
+    state_in = np.zeros(0, np.float32) if sent_state is None else sent_state
+    return zip(records, method.perturbations(local, start, masks, [r.seed for r in records], state_in), strict=True)
 
 
 def rebuild_client_update(method: Method, start: Sequence[torch.Tensor], update: ClientUpdate, local: LocalTraining,
                           masks: Sequence[torch.Tensor | None] | None = None,
-                          sent_state: np.ndarray | None = None, visit: StepVisit | None = None) -> list[torch.Tensor]:
+                          sent_state: np.ndarray | None = None) -> list[torch.Tensor]:
     """One client's local update, replayed step by step from its seeds and scalars with the round's local
-    optimizer as the client applied it (bit for bit), or its dense upload (no step is visited then). `visit`
-    sees each step where the client took it: the screen that checks a client's scalars on the server's own
-    examples (run/screening.py)."""
+    optimizer as the client applied it (bit for bit), or its dense upload."""
     if update.dense is not None:
         return unflatten(update.dense, start)
     tensors = [t.clone() for t in start]
     optimizer = local.local_optimizer()
     state = optimizer.init(tensors)
-    records = step_records(update)
-    state_in = np.zeros(0, np.float32) if sent_state is None else sent_state
-    perts = method.perturbations(local, start, masks, [r.seed for r in records], state_in)
-    for record, pert in zip(records, perts, strict=True):
-        if visit is not None:
-            visit(tensors, record, pert)
+    for record, pert in client_steps(method, start, update, local, masks, sent_state):
         state = optimizer.apply(tensors, state, record.grad_terms(), [], local.lr, pert)
     return [t - s for t, s in zip(tensors, start, strict=True)]
 

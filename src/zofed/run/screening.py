@@ -12,18 +12,17 @@ Three scores (`federation.screen_score`):
   unless another liar in the round pulls the same way: leaving one of two out still leaves the other. Measured
   on the robustness benchmark, a zero threshold refused half of the honest uplinks and let colluding scaled
   attackers through (docs/security.md): it needs a threshold above the honest scores' noise and clipping first.
-- `agreement`: whether the client's scalars agree with the probe set's. The server replays the client's steps
-  from its seeds (it can: that is how it rebuilds the update) to learn each step's directions, and measures the
-  probe loss's own directional derivative along each at the round's start weights (one-sided, a probe pass per
-  scalar and one for the round). The score is minus the rank correlation between the client's scalars and those
-  derivatives: an honest client's data pulls somewhat the same way as the probe set's, and a client that flips
-  its scalars' signs scores exactly the negative of its honest self. The derivatives are read at the start, not
-  along the replayed steps: a server replaying a flipped uplink walks the flipped path, and derivatives read
-  along it flip with the scalars, so a flipped client scored as its honest self did (measured on AG News:
-  docs/security.md). Over a round's hundreds of scalars a weak agreement still shows, where a loss change of the
-  whole update cannot: a flipped ZO update is noise, as an honest one is. Its price: a probe pass for every
-  scalar the client sent, which on a trainable label head over remembered features costs little, and on a
-  trainable set inside the model as much as the client's own steps.
+- `agreement`: whether the client's scalars agree with the probe set's. The server reads each step's directions from
+  the client's seeds (as it does to rebuild the update), and measures the probe loss's own directional derivative
+  along each at the round's start weights (one-sided, a probe pass per scalar and one for the round). The score is
+  minus the rank correlation between the client's scalars and those derivatives: an honest client's data pulls
+  somewhat the same way as the probe set's, and a client that flips its scalars' signs scores exactly the negative of
+  its honest self. The derivatives are read at the start, not along the client's replayed steps: replaying a flipped
+  uplink walks the flipped path, and derivatives read along it flip with the scalars, so a flipped client scored as
+  its honest self did (measured on AG News: docs/security.md). Over a round's hundreds of scalars a weak agreement
+  still shows, where a loss change of the whole update cannot: a flipped ZO update is noise, as an honest one is. Its
+  price: a probe pass for every scalar the client sent, which on a trainable label head over remembered features
+  costs little, and on a trainable set inside the model as much as the client's own steps.
   Label skew needs one correction, on a trainable label head. Its rows all read one large common component of the
   features (83% of their energy on AG News), and under skew a client's scalars are dominated by how it moves each
   row along it: up for the classes it holds, which the balanced probe set may pull down. So with every block
@@ -49,11 +48,11 @@ import torch
 
 from zofed import streams
 from zofed.fl.client import load_tensors_
-from zofed.fl.roles import Replay, Screen
+from zofed.fl.roles import Screen
+from zofed.fl.server import ClientSteps
 from zofed.models.selection import LABEL_HEAD
 from zofed.run.setup import Setup
-from zofed.zo.perturb import Perturbation, write_directions_
-from zofed.zo.step import StepRecord
+from zofed.zo.perturb import write_directions_
 
 SCORES = ("alone", "leave-one-out", "agreement")
 LossOf = Callable[[Sequence[torch.Tensor]], float]  # the probe loss at the given trainable tensors
@@ -108,7 +107,7 @@ def residuals(values: np.ndarray, regressors: np.ndarray) -> np.ndarray:
     return values - design @ np.linalg.lstsq(design, values, rcond=None)[0]
 
 
-def agreement_scores(loss_of: LossOf, start: Sequence[torch.Tensor], replays: Sequence[Replay], eps: float,
+def agreement_scores(loss_of: LossOf, start: Sequence[torch.Tensor], steps: Sequence[ClientSteps], eps: float,
                      common: Regressors | None = None) -> list[float]:
     """Minus the rank correlation between each client's scalars and the probe loss's directional derivatives along
     the same directions at the round's `start` weights, after both are regressed on `common`'s values of each
@@ -116,25 +115,22 @@ def agreement_scores(loss_of: LossOf, start: Sequence[torch.Tensor], replays: Se
     centre = loss_of(start)
     moved = [torch.empty_like(t) for t in start]
 
-    def score(replay: Replay) -> float:
+    def score(client: ClientSteps) -> float:
         sent, probe, along = [], [], []
-
-        def visit(_: Sequence[torch.Tensor], record: StepRecord, pert: Perturbation) -> None:
+        for record, pert in client:
             for seed, scalar in zip(record.query_seeds(), record.grads, strict=True):
                 write_directions_(moved, start, [(seed, eps)], pert)
                 sent.append(scalar)
                 probe.append((loss_of(moved) - centre) / eps)
                 if common is not None:
                     along.append(common([(m - t) / eps for m, t in zip(moved, start, strict=True)]))
-
-        replay(visit)
         sent_values, probe_values = np.asarray(sent, np.float64), np.asarray(probe, np.float64)
         if common is not None:
             sent_values, probe_values = residuals(sent_values, np.asarray(along)), residuals(probe_values,
                                                                                            np.asarray(along))
         return -rank_correlation(sent_values, probe_values)
 
-    return [score(replay) for replay in replays]
+    return [score(client) for client in steps]
 
 
 def head_common_mode(setup: Setup, indices: np.ndarray) -> Regressors | None:
@@ -175,13 +171,13 @@ def probe_loss_screen(setup: Setup, examples: int, seed: int, threshold: float, 
         return setup.task.loss(setup.model, batch) if cached is None else cached()
 
     def scores(tensors: Sequence[torch.Tensor], updates: list[list[torch.Tensor]],
-               replays: Sequence[Replay]) -> list[float]:
+               steps: Sequence[ClientSteps]) -> list[float]:
         held = [p.detach().clone() for p in params]  # the clients' replica: put back as it was
         try:
             if score == "alone":
                 return alone_scores(loss_of, tensors, updates)
             if score == "agreement":
-                return agreement_scores(loss_of, tensors, replays, eps, common)
+                return agreement_scores(loss_of, tensors, steps, eps, common)
             return leave_one_out_scores(loss_of, tensors, updates, threshold)
         finally:
             load_tensors_(params, held)
