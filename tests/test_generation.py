@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from rouge_score import rouge_scorer
+from safetensors.torch import load_file
 from toy_federation import tiny_federated_config
 from typer.testing import CliRunner
 
@@ -389,3 +390,24 @@ def test_showing_generation_reports_answers_while_open_and_then_lets_go():
     classification = make_task(TaskConfig(verbalizer=["good", "bad"]), tiny_tokenizer(), 2)
     with showing_generation(classification, shown.append):  # nothing to report, nothing set
         assert not hasattr(classification, "on_generated")
+
+
+def test_a_federated_causal_lm_run_with_top_block_lora_and_the_prefix_cached_ends_as_without_it(instructions,
+                                                                                                tmp_path):
+    """LoRA on the top block only (trainable.lora_layers=[-1]) lets the frozen bottom run once per batch: the run
+    ends bit-identical to the uncached one and is charged (1 - f) + (q + 1) f passes a step (f = 1/2, q = 2)."""
+    finals, passes = {}, {}
+    for cached in (False, True):
+        out = tmp_path / f"fed-{cached}"
+        config = load_config(None, [*_overrides(instructions, out), "federation.method=zofed",
+                                    "trainable.lora_layers=[-1]", "zo.queries=2", "federation.clients_per_round=2",
+                                    "federation.local_steps=2", "federation.partition.scheme=iid",
+                                    "federation.partition.num_clients=4", "federation.rounds=2",
+                                    "task.generate_eval=0", f"zo.prefix_cache={str(cached).lower()}"],
+                             schema=FederatedConfig)
+        passes[cached] = run_federated(config, show_progress=False)["forward_passes_per_client_round"]
+        finals[cached] = load_file(str(out / "final" / "trainable.safetensors"))
+    assert sorted(finals[True]) == sorted(finals[False]) and all(".layers.1." in name for name in finals[True])
+    assert all(torch.equal(finals[False][k], finals[True][k]) for k in finals[True])
+    assert any(finals[True][k].abs().sum() > 0 for k in finals[True] if "lora_B" in k)  # it trained
+    assert (passes[False], passes[True]) == (2 * 3, 2 * (0.5 + 3 * 0.5))  # one-sided: q + 1 passes a step

@@ -125,3 +125,29 @@ def test_the_cache_is_refused_where_the_model_cannot_be_split(tiny_workspace, tm
         run_federated(tiny_federated_config(tiny_workspace, tmp_path / "x", "trainable.mode=patterns",
                                             "trainable.patterns=[embed_tokens]", "zo.prefix_cache=true"),
                       show_progress=False)
+
+
+def test_the_causal_lm_loss_on_a_cache_below_top_block_lora_is_the_full_loss():
+    tiny = tiny_causal_lm(seed=0, num_layers=4)
+    model, trainable = select_trainable(tiny.model, TrainableConfig(mode="lora", lora_r=2, lora_layers=[-2, 3]))
+    assert {name.split(".layers.")[1].split(".")[0] for name in trainable.names} == {"2", "3"}
+    start = first_trainable_layer(model, trainable.names)
+    assert start == 2
+    task = make_task(TaskConfig(type="causal-lm", prompt_format="template"), tiny.tokenizer, None)
+    records = [{"instruction": f"w{i} is", "context": "", "response": "w3 " * (1 + i % 4)} for i in range(6)]
+    data = task.encode(TextDataset(records, None, None, "toy"))
+    batch = task.collate(data, list(range(6)))
+    cached = task.cached_loss(model, PrefixCache(model, start), batch)
+    for seed in range(3):  # LoRA's B starts at zero: perturbed, every adapter changes the loss
+        add_directions_(trainable.tensors(), [(seed, 0.05)], Perturbation())
+        assert cached() == task.loss(model, batch)
+    with pytest.raises(ValueError, match="logit shift"):
+        task.cached_loss(model, PrefixCache(model, start), batch, torch.zeros(2))
+
+
+def test_lora_layers_out_of_range_are_refused():
+    from zofed.models.catalog import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match=r"has 4 blocks.*\[-4, 3\]"):
+        select_trainable(tiny_causal_lm(seed=0, num_layers=4).model,
+                         TrainableConfig(mode="lora", lora_r=2, lora_layers=[4]))

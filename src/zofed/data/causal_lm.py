@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from zofed.data.generation import Progress, generate_texts, rouge_l
 from zofed.data.sources import DataError, TextDataset
 from zofed.data.tasks import DEFAULT_TEMPLATE, Batch, Encoded, Task, TaskConfig, check_fields
+from zofed.zo.prefix import PrefixCache
 
 INSTRUCTION_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{context}\n\n### Response:\n"
 
@@ -112,6 +113,24 @@ class CausalLM(Task):
             raise ValueError("a logit shift (federation.logit_adjust) needs a classification task, not causal-lm")
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch.labels[:, 1:].flatten(), ignore_index=-100)
+
+    def cached_loss(self, model: torch.nn.Module, cache: PrefixCache, batch: Batch,
+                    shift: torch.Tensor | None = None) -> Callable[[], float]:
+        """The batch's response loss as a function of the trainable top blocks only: the frozen bottom runs once,
+        here, and each call runs the blocks from the cache's split up, the final norm and the output layer."""
+        if shift is not None:
+            raise ValueError("a logit shift (federation.logit_adjust) needs a classification task, not causal-lm")
+        prefix = cache.capture(batch.input_ids, batch.attention_mask)
+        lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+        head = lm.get_output_embeddings()
+        targets = batch.labels[:, 1:].flatten()
+
+        @torch.no_grad()
+        def loss() -> float:
+            logits = head(cache.hidden(prefix))
+            return float(F.cross_entropy(logits[:, :-1].flatten(0, 1), targets, ignore_index=-100))
+
+        return loss
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, data: Encoded, batch_size: int = 16,

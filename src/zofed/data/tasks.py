@@ -189,7 +189,8 @@ class Task:
 
     def cached_loss(self, model: torch.nn.Module, cache: PrefixCache, batch: Batch,
                     shift: torch.Tensor | None = None) -> Callable[[], float]:
-        raise ValueError(f"zo.prefix_cache works with prompt-classification tasks, not {self.config.type}")
+        raise ValueError(f"zo.prefix_cache works with prompt-classification and causal-lm tasks, not "
+                         f"{self.config.type}")
 
     def loss_tensor(self, model: torch.nn.Module, batch: Batch, shift: torch.Tensor | None = None) -> torch.Tensor:
         """The mean loss as a tensor (differentiable when autograd is on: first-order baselines use it); `shift`

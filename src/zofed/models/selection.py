@@ -54,6 +54,9 @@ class TrainableConfig(BaseModel):
     lora_r: int = Field(8, ge=1)
     lora_alpha: int = Field(16, ge=1)
     lora_targets: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"])
+    # the blocks LoRA adapts (negative: from the top, [-2, -1] the top two); None: every block. Adapters in the
+    # top blocks only let zo.prefix_cache run the frozen bottom once per batch
+    lora_layers: list[int] | None = None
     init_seed: int = 0  # seeds LoRA's and a new classifier head's random init: every party and rerun starts alike
     magnitude_fraction: float = Field(0.1, gt=0.0, le=1.0)
     magnitude_keep: Literal["largest", "smallest"] = "largest"
@@ -117,13 +120,28 @@ def _linear_names(model: torch.nn.Module) -> list[str]:
                    if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"})
 
 
+def _lora_blocks(model: torch.nn.Module, layers: list[int] | None) -> list[int] | None:
+    """trainable.lora_layers as the block indices peft expects (negative ones counted from the top)."""
+    if layers is None:
+        return None
+    count = getattr(model.config, "num_hidden_layers", None)
+    if count is None:
+        raise ModelLoadError("trainable.lora_layers needs a model whose config names its num_hidden_layers")
+    wrong = [i for i in layers if not -count <= i < count]
+    if wrong or not layers:
+        raise ModelLoadError(f"trainable.lora_layers {layers}: this model has {count} blocks, so each index must "
+                             f"lie in [{-count}, {count - 1}] and at least one is needed")
+    return sorted({i % count for i in layers})
+
+
 def select_trainable(model: torch.nn.Module, config: TrainableConfig) -> tuple[torch.nn.Module, TrainableParams]:
     """Apply `config` to `model`; returns the (possibly peft-wrapped) model and its trainable parameters."""
     if config.mode == "lora":
         from peft import LoraConfig, get_peft_model
 
         lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=0.0,
-                          target_modules=config.lora_targets, bias="none")
+                          target_modules=config.lora_targets, bias="none",
+                          layers_to_transform=_lora_blocks(model, config.lora_layers))
         linear = _linear_names(model)  # before peft wraps the model
         try:
             with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG stream untouched

@@ -152,8 +152,9 @@ def prefix_cache(config: FinetuneConfig, model: torch.nn.Module, trainable: Trai
     """The split of the model at its first trainable block, when `zo.prefix_cache` asks for one."""
     if not config.zo.prefix_cache:
         return None
-    if config.task.type != "prompt-classification":
-        raise ConfigError(f"zo.prefix_cache works with task.type prompt-classification, not {config.task.type}")
+    if config.task.type not in ("prompt-classification", "causal-lm"):
+        raise ConfigError(f"zo.prefix_cache works with task.type prompt-classification or causal-lm, not "
+                          f"{config.task.type}")
     start = first_trainable_layer(model, trainable.names)
     if start is None:
         raise ConfigError("zo.prefix_cache needs a decoder-only model (blocks in `layers`, a final `norm`) whose "
