@@ -9,7 +9,7 @@ Protocol (the instruction-tuning issue):
   (`task.prompt_format=auto`), `task.max_length` 256. Every row trains the same tensors, LoRA r 8 on q_proj and
   v_proj (`trainable.mode=lora`, the default), the ZO rows included: one trainable set, the one FedAvg needs.
   One more row prices zofed's engine lever on this task: `zofed-top2-cached` trains the same adapters on the top
-  2 blocks only (`trainable.lora_layers`), runs the frozen bottom once a step (`zo.prefix_cache`) and averages 16
+  2 blocks only (`trainable.lora_layers`), runs the frozen bottom once a step (`zo.prefix_cache`) and averages 4
   queries a step over the top blocks (ROW_OPTIONS).
 - Federation: 3 of the 9 clients a round, 4 local steps of batch 4.
 - Budget (`--budget`): client compute in forward-pass equivalents of the full model (a backward counts as two
@@ -45,6 +45,7 @@ On 2 busy CPU cores: `--jobs 2 --threads 1`.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -67,7 +68,7 @@ from zofed.run.config import load_config
 from zofed.run.federated import run_federated
 from zofed.run.federated_config import FederatedConfig
 from zofed.run.metrics import MetricsLog
-from zofed.run.setup import build
+from zofed.run.setup import build, build_model, prefix_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "runs" / "bench" / "instruction"
@@ -79,14 +80,14 @@ ZERO_SHOT = "zero-shot"
 ROWS: dict[str, str | None] = {ZERO_SHOT: None, "zofed": "zofed", "zo-seeds": "zo-seeds", "fedkseed": "fedkseed",
                                "decomfl": "decomfl", "fedavg-lora": "fedavg", "zofed-top2-cached": "zofed"}
 # zofed's engine lever (the learning-speed issue's prefix caching) on this task: LoRA on the top 2 of the 30 blocks
-# only, so each step runs the frozen bottom once and 16 one-sided queries over the top blocks, 2.07 passes a step
-# instead of 2 for one query on every block: the same rounds as the zofed row, each step's direction averaged over
-# 16 perturbations of 1/15 of the adapters
-TOP_BLOCKS = 2
+# only, so each step runs the frozen bottom once and then only the top blocks and the vocabulary projection (0.26 of
+# a full pass, the projection being most of it) for each of 4 one-sided queries: 2.05 passes a step against 2 for one
+# query on every block, so the same rounds as the zofed row, each step's direction averaged over 4 perturbations of
+# 1/15 of the adapters
+TOP_BLOCKS, TOP_QUERIES = 2, 4
 ROW_OPTIONS: dict[str, list[str]] = {
     "zofed-top2-cached": [f"trainable.lora_layers={list(range(-TOP_BLOCKS, 0))}", "zo.prefix_cache=true",
-                          "zo.queries=16"]}
-NUM_BLOCKS = 30  # SmolLM2-135M's: the share of blocks a cached pass runs, which its round cost needs
+                          f"zo.queries={TOP_QUERIES}"]}
 # The (client lr, server lr factor) points each row is tuned on: three along the lever that sets its step. The client
 # lr is optimizer.lr for the ZO rows (MeZO steps on LoRA), federation.first_order_lr for FedAvg (AdamW); the factor
 # multiplies the method's default server lr. The plain-averaging rows step by their client lr. zofed's server
@@ -120,8 +121,18 @@ def per_client_round_cost(row: str) -> float:
         return 0.0
     config = load_config(None, [*COMMON, *METHOD_OPTIONS.get(method, []), *ROW_OPTIONS.get(row, []),
                                 f"federation.method={method}"], schema=FederatedConfig)
-    fraction = TOP_BLOCKS / NUM_BLOCKS if config.zo.prefix_cache else 1.0
-    return get_method(method).forward_passes(FederationPlan.from_config(config, CLIENTS, fraction).round(0))
+    plan = FederationPlan.from_config(config, CLIENTS, pass_fraction(row) if config.zo.prefix_cache else 1.0)
+    return get_method(method).forward_passes(plan.round(0))
+
+
+@functools.cache
+def pass_fraction(row: str) -> float:
+    """The share of a full forward pass one perturbed pass of a prefix-cached row runs, read off the model it
+    trains (its blocks above the split and the vocabulary projection, against all of them)."""
+    config = load_config(None, [*COMMON, *ROW_OPTIONS[row], f"federation.method={ROWS[row]}"],
+                         schema=FederatedConfig)
+    model, trainable, task = build_model(config, None, torch.device("cpu"))
+    return prefix_cache(config, model, trainable, task).fraction
 
 
 def rounds_for(row: str, budget: float) -> int:
@@ -395,7 +406,8 @@ def write_report(table: dict, out: Path) -> None:
              f"batch {BATCH}, `task.max_length` {MAX_LENGTH}, SmolLM2's chat template. Every row trains LoRA r 8 on "
              "q_proj and v_proj of every block (the ZO rows too: one trainable set for all), but zofed-top2-cached: "
              f"zofed with the same adapters on the top {TOP_BLOCKS} blocks only, the frozen bottom run once a step "
-             "(`zo.prefix_cache`) and 16 one-sided queries a step over the top blocks "
+             f"(`zo.prefix_cache`) and {TOP_QUERIES} one-sided queries a step over the top blocks and the vocabulary "
+             f"projection ({pass_fraction('zofed-top2-cached'):.3f} of a full pass each) "
              f"({PER_ROUND * per_client_round_cost('zofed-top2-cached'):.1f} passes a round). The same client "
              "compute for every "
              "row: a budget in forward-pass equivalents of the full model summed over the federation (a backward "

@@ -76,9 +76,13 @@ def test_tuning_chooses_each_rows_lowest_validation_loss_and_finals_need_it(tmp_
         "zofed-top2-cached"
     assert instruction.zofed_variant([_tuned("fedkseed", 1e-3, 1.5)], 360.0) == "zofed"
     top = instruction.make_config("zofed-top2-cached", 0, 360.0, (None, 0, 0), tmp_path / "c", (1e-2, 10.0), "tune")
-    assert (top.trainable.lora_layers, top.zo.prefix_cache, top.zo.queries) == ([-2, -1], True, 16)
-    # 4 steps of a capture pass over 28 of 30 blocks and 17 passes over the top 2: 14 rounds fit in 360
-    assert instruction.per_client_round_cost("zofed-top2-cached") == pytest.approx(4 * (28 / 30 + 17 * 2 / 30))
+    assert (top.trainable.lora_layers, top.zo.prefix_cache, top.zo.queries) == ([-2, -1], True, 4)
+    # A cached pass runs 2 of SmolLM2's 30 blocks (3,540,096 weights each, with 15,360 of LoRA) and the vocabulary
+    # projection (49,152 x 576): 0.2633 of a full pass. 4 steps of the capture pass and 5 such passes: 14 rounds.
+    block, lora, head = 3_540_096, 15_360, 49_152 * 576
+    f = (2 * (block + lora) + head) / (30 * block + 2 * lora + head)
+    assert instruction.pass_fraction("zofed-top2-cached") == pytest.approx(f)
+    assert instruction.per_client_round_cost("zofed-top2-cached") == pytest.approx(4 * ((1 - f) + 5 * f))
     assert top.federation.rounds == 14
     assert instruction.row_key("zofed", 0, 360.0, (None, 128, 64), (1e-2, 10.0), "tune") == \
         "tune|zofed|0|0.01|x10|360|val100"

@@ -137,7 +137,13 @@ def test_the_causal_lm_loss_on_a_cache_below_top_block_lora_is_the_full_loss():
     records = [{"instruction": f"w{i} is", "context": "", "response": "w3 " * (1 + i % 4)} for i in range(6)]
     data = task.encode(TextDataset(records, None, None, "toy"))
     batch = task.collate(data, list(range(6)))
-    cached = task.cached_loss(model, PrefixCache(model, start), batch)
+    cache = PrefixCache(model, start, output_layer=task.full_vocabulary)
+    # a cached pass runs blocks 2 and 3 and the vocabulary projection: its share of the weights, not of the blocks
+    blocks = [sum(p.numel() for p in layer.parameters()) for layer in model.get_base_model().model.layers]
+    head = model.get_base_model().lm_head.weight.numel()
+    assert cache.fraction == pytest.approx((blocks[2] + blocks[3] + head) / (sum(blocks) + head))
+    assert cache.fraction > 0.5 == PrefixCache(model, start).fraction
+    cached = task.cached_loss(model, cache, batch)
     for seed in range(3):  # LoRA's B starts at zero: perturbed, every adapter changes the loss
         add_directions_(trainable.tensors(), [(seed, 0.05)], Perturbation())
         assert cached() == task.loss(model, batch)

@@ -138,6 +138,9 @@ class Task:
 
     # A classification template that reads no field gives every example the same input: nothing to learn.
     template_needs_a_field = True
+    # The loss reads the logits of the whole vocabulary (causal-lm): a prefix-cached pass runs the output layer in
+    # full, and its cost counts it; the classification tasks read a few label rows, too few to count.
+    full_vocabulary = False
     num_classes: int | None = None  # classification tasks: the width of the logits
     device = torch.device("cpu")  # where batches are made: the model's device (run/setup.py sets it)
 

@@ -78,7 +78,7 @@ def client_cache(ctx: ClientContext, local: LocalTraining) -> PrefixCache | None
     if local.pass_fraction >= 1.0:
         return None
     start = first_trainable_layer(ctx.model, ctx.trainable.names)
-    cache = PrefixCache(ctx.model, start) if start is not None else None
+    cache = PrefixCache(ctx.model, start, ctx.task.full_vocabulary) if start is not None else None
     if cache is None or abs(cache.fraction - local.pass_fraction) > 1e-9:
         raise ValueError(f"the round plan runs {local.pass_fraction:.4f} of the model's blocks per perturbed pass, "
                          f"but this client's model splits at {'no block' if cache is None else cache.fraction}")

@@ -51,11 +51,11 @@ def replay_run(run_dir: str | Path) -> Replay:
     if trained is not None and trained != len(rounds):
         raise LogError(f"the uplink log holds {len(rounds)} rounds and the run {trained}: the log was switched off "
                        "(federation.log_uplinks) for part of the run")
-    model, trainable, _ = build_model(config, header["num_classes"], torch.device("cpu"))
+    model, trainable, task = build_model(config, header["num_classes"], torch.device("cpu"))
     if tensors_sha256(trainable.tensors()) != header["start_sha256"]:
         raise LogError(f"the starting tensors rebuilt from {config.model.name} differ from the ones the run "
                        "logged: another model, or other weights under the same name")
-    cache = prefix_cache(config, model, trainable)
+    cache = prefix_cache(config, model, trainable, task)
     server = make_server(config, trainable, int(header["num_clients"]), cache.fraction if cache else 1.0)
     if server.dp_secret is not None:  # central DP: the log holds the numbers the aggregation read, noise included
         if not header.get("server_noised"):

@@ -110,7 +110,7 @@ def build(config: FinetuneConfig) -> Setup:
     train, test = load_splits(config)
     num_classes = len(train.label_names) if train.label_names else None
     model, trainable, task = build_model(config, num_classes, device)
-    cache = prefix_cache(config, model, trainable)
+    cache = prefix_cache(config, model, trainable, task)
     if isinstance(task, PromptClassification):
         task.remember_body(body_memo(config, model, trainable, cache), in_training=config.train.remember_features)
     return Setup(config, model, trainable, task, task.encode(train), task.encode(test), train.label_names, train, cache)
@@ -148,7 +148,8 @@ def build_model(config: FinetuneConfig, num_classes: int | None,
     return model, trainable, task
 
 
-def prefix_cache(config: FinetuneConfig, model: torch.nn.Module, trainable: TrainableParams) -> PrefixCache | None:
+def prefix_cache(config: FinetuneConfig, model: torch.nn.Module, trainable: TrainableParams,
+                 task: Task) -> PrefixCache | None:
     """The split of the model at its first trainable block, when `zo.prefix_cache` asks for one."""
     if not config.zo.prefix_cache:
         return None
@@ -159,7 +160,7 @@ def prefix_cache(config: FinetuneConfig, model: torch.nn.Module, trainable: Trai
     if start is None:
         raise ConfigError("zo.prefix_cache needs a decoder-only model (blocks in `layers`, a final `norm`) whose "
                           "trainable tensors all lie in its blocks or above them, none in the embeddings")
-    return PrefixCache(model, start)
+    return PrefixCache(model, start, output_layer=task.full_vocabulary)
 
 
 def body_memo(config: FinetuneConfig, model: torch.nn.Module, trainable: TrainableParams,
