@@ -154,6 +154,8 @@ def test_the_causal_lm_loss_on_a_cache_below_top_block_lora_is_the_full_loss():
 def test_lora_layers_out_of_range_are_refused():
     from zofed.models.catalog import ModelLoadError
 
+    with pytest.raises(ValueError, match="trainable.mode is patterns"):
+        TrainableConfig(mode="patterns", lora_layers=[-1])
     with pytest.raises(ModelLoadError, match=r"has 4 blocks.*\[-4, 3\]"):
         select_trainable(tiny_causal_lm(seed=0, num_layers=4).model,
                          TrainableConfig(mode="lora", lora_r=2, lora_layers=[4]))

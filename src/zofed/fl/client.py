@@ -80,8 +80,9 @@ def client_cache(ctx: ClientContext, local: LocalTraining) -> PrefixCache | None
     start = first_trainable_layer(ctx.model, ctx.trainable.names)
     cache = PrefixCache(ctx.model, start, ctx.task.full_vocabulary) if start is not None else None
     if cache is None or abs(cache.fraction - local.pass_fraction) > 1e-9:
-        raise ValueError(f"the round plan runs {local.pass_fraction:.4f} of the model's blocks per perturbed pass, "
-                         f"but this client's model splits at {'no block' if cache is None else cache.fraction}")
+        raise ValueError(f"the round plan charges {local.pass_fraction:.4f} of a full pass per perturbed pass, "
+                         "but on this client's model " + ("no block can start a cached pass" if cache is None
+                                                          else f"one costs {cache.fraction:.4f}"))
     return cache
 
 

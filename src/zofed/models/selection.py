@@ -65,6 +65,8 @@ class TrainableConfig(BaseModel):
     def _per_class_needs_a_head(self) -> TrainableConfig:
         if self.label_head_per_class and not self.label_head:
             raise ValueError("trainable.label_head_per_class splits the label head: set trainable.label_head=true")
+        if self.lora_layers is not None and self.mode != "lora":
+            raise ValueError(f"trainable.lora_layers chooses LoRA's blocks, but trainable.mode is {self.mode}")
         return self
 
 
