@@ -121,9 +121,10 @@ class CausalLM(Task):
         here, and each call runs the blocks from the cache's split up, the final norm and the output layer."""
         if shift is not None:
             raise ValueError("a logit shift (federation.logit_adjust) needs a classification task, not causal-lm")
+        head = cache.output_layer
+        if head is None:  # its passes would run a layer the cache does not charge
+            raise ValueError("a causal-lm cached loss needs a PrefixCache built with output_layer=True")
         prefix = cache.capture(batch.input_ids, batch.attention_mask)
-        lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-        head = lm.get_output_embeddings()
         targets = batch.labels[:, 1:].flatten()
 
         @torch.no_grad()

@@ -29,8 +29,12 @@ class _Captured(Exception):
     """Raised by the capture hook to stop the forward pass once the first trainable block's inputs are known."""
 
 
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model  # peft injects LoRA in place
+
+
 def _backbone(model: torch.nn.Module) -> torch.nn.Module:
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lm = _unwrapped(model)
     return getattr(lm, lm.base_model_prefix)
 
 
@@ -72,19 +76,16 @@ class PrefixCache:
         if not 0 <= start <= len(self.layers):
             raise ValueError(f"the model has {len(self.layers)} blocks; cannot start a cached pass at block {start}")
         self.start = start
-        lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-        self.output_layer = lm.get_output_embeddings() if output_layer else None
-
-    @property
-    def fraction(self) -> float:
-        """The share of a full forward pass a perturbed pass runs: of the model's blocks, or, when it runs the output
-        layer too, of the weights of the blocks and that layer together (on SmolLM2-135M the vocabulary projection
-        holds 21% of them: a pass over the top 2 of its 30 blocks and the projection costs 0.26 of a full one)."""
+        self.output_layer = _unwrapped(model).get_output_embeddings() if output_layer else None
+        # The share of a full forward pass a perturbed pass runs: of the model's blocks, or, when it runs the output
+        # layer too, of the weights of the blocks and that layer together (on SmolLM2-135M the vocabulary projection
+        # holds 21% of them: a pass over the top 2 of its 30 blocks and the projection costs 0.26 of a full one).
         if self.output_layer is None:
-            return (len(self.layers) - self.start) / len(self.layers)
-        sizes = [sum(p.numel() for p in layer.parameters()) for layer in self.layers]
-        head = self.output_layer.weight.numel()
-        return (sum(sizes[self.start:]) + head) / (sum(sizes) + head)
+            self.fraction = (len(self.layers) - start) / len(self.layers)
+        else:
+            sizes = [sum(p.numel() for p in layer.parameters()) for layer in self.layers]
+            head = self.output_layer.weight.numel()
+            self.fraction = (sum(sizes[start:]) + head) / (sum(sizes) + head)
 
     @torch.no_grad()
     def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Prefix:
