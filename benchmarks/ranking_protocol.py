@@ -82,6 +82,10 @@ ROWS: dict[str, tuple[str, bool]] = {
     "zofed-features-steps192-q2-half-cached": ("zofed", True),
     # zofed-shaped-features-cached releasing the mean of the second half's server iterates, as the averaged rows do
     "zofed-shaped-features-avg-cached": ("zofed", True),
+    # local ZO-Adam (a fresh state each round, replayed exactly by the server) on the head recipes: per-coordinate
+    # steps over a round's many cached steps, with plain averaging and with zofed's adaptive server
+    "zofed-zo-adam-averaged-steps24-cached": ("zofed", True),
+    "zofed-zo-adam-features-cached": ("zofed", True),
     "hiso": ("hiso", False),
     "fedkseed": ("fedkseed", False),
     "decomfl": ("decomfl", False),
@@ -109,13 +113,14 @@ TAIL_AVERAGE = "federation.average_from=0.5"  # release the mean of the second h
 FEATURES_AVERAGED = ["federation.feature_cache=8", "federation.local_steps=12", "zo.queries=8",
                      "federation.logit_adjust=1.0", TAIL_AVERAGE]
 SHAPED = "zo.precondition=features"
+ZO_ADAM = "optimizer.name=zo-adam"  # the clients' local optimizer, after COMMON's mezo
 HALF = "federation.scalar_bits=16"  # scalars travel as float16
 PER_CLASS = ["trainable.label_head=true", "trainable.label_head_per_class=true"]  # the head, split (on any set)
 ROW_OPTIONS = {"zofed-central": [CENTRAL], "zofed-q8": ["zo.queries=8"], "zofed-q48": ["zo.queries=48"],
                "zofed-cosine": ["federation.server_optimizer.decay=cosine"],
                "zofed-avg": [TAIL_AVERAGE],
                "zofed-shared": [CENTRAL, "federation.sampling.shared_seeds=true"],
-               "zofed-zo-adam": [CENTRAL, "optimizer.name=zo-adam"],
+               "zofed-zo-adam": [CENTRAL, ZO_ADAM],
                "zofed-tensor": [CENTRAL, TENSORWISE], "zofed-uncached-tensor": [TENSORWISE],
                "zofed-cosine-tensor": [CENTRAL, TENSORWISE, "federation.server_optimizer.decay=cosine"],
                "zofed-beta1-0.5": [CENTRAL, "federation.server_optimizer.beta1=0.5"],
@@ -140,6 +145,8 @@ ROW_OPTIONS = {"zofed-central": [CENTRAL], "zofed-q8": ["zo.queries=8"], "zofed-
                "zofed-features-steps192-q2-half-cached": [*FEATURES_CACHED, "federation.local_steps=192",
                                                           "zo.queries=2", HALF],
                "zofed-shaped-features-avg-cached": [*FEATURES_CACHED, SHAPED, TAIL_AVERAGE],
+               "zofed-zo-adam-averaged-steps24-cached": [*FEATURES_AVERAGED, "federation.local_steps=24", ZO_ADAM],
+               "zofed-zo-adam-features-cached": [*FEATURES_CACHED, ZO_ADAM],
 
                "zofed-averaged-cached": FEATURES_AVERAGED, "hiso-averaged-cached": FEATURES_AVERAGED,
                "zofed-shaped-averaged-cached": [*FEATURES_AVERAGED, SHAPED],
@@ -149,7 +156,8 @@ PLAIN_AVERAGING = ServerDefault("sgd", 1.0)
 ROW_SERVER = {row: PLAIN_AVERAGING for row in ["zofed-averaged-cached", "zofed-shaped-averaged-cached",
                                                "zofed-central-averaged-cached", "zofed-perclass-averaged-cached",
                                                "zofed-averaged-steps24-cached", "zofed-averaged-steps48-cached",
-                                               "zofed-averaged-steps48-half-cached"]}
+                                               "zofed-averaged-steps48-half-cached",
+                                               "zofed-zo-adam-averaged-steps24-cached"]}
 
 
 def server_default(row: str) -> ServerDefault:
