@@ -9,9 +9,10 @@ def draw_seed_band(axes, name: str, curves: np.ndarray, values: np.ndarray) -> N
     """Plot `values` (seeds x points) against each of the first len(axes) columns of `curves` (seeds x points x
     columns: x-axes such as compute, bytes and rounds), labelled with the row's name and seed count."""
     seeds = f"{len(curves)} seed{'s' if len(curves) > 1 else ''}"
+    style = "--" if len(axes[0].get_lines()) >= 10 else "-"  # the colour cycle has ten: dash the ones that repeat
     for column, ax in enumerate(axes):
         x = curves[0, :, column]
-        line, = ax.plot(x, values.mean(0), marker="o", ms=3, label=f"{name} ({seeds})")
+        line, = ax.plot(x, values.mean(0), style, marker="o", ms=3, label=f"{name} ({seeds})")
         if len(curves) > 1:
             ax.fill_between(x, values.min(0), values.max(0), color=line.get_color(), alpha=0.15)
 

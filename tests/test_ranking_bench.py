@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -186,3 +187,16 @@ def test_tuning_on_several_seeds_chooses_by_the_mean_and_prefers_points_tuned_on
     rows.append(tune(3e-3, 0, 0.50))  # one seed only: not preferred over the points tuned on two
     chosen = choices({"rows": dict(enumerate(rows))})["sst5|head|1000|hiso"]
     assert chosen["lr"] == 1e-3 and chosen["tried"] == ["(0.0001, 1)", "(0.001, 1)", "(0.003, 1)"]
+
+
+def test_curves_past_the_tenth_colour_are_dashed():
+    from curve_plot import draw_seed_band
+    from matplotlib.figure import Figure
+
+    axes = Figure().subplots(1, 3)
+    curves = np.array([[[p, 10.0 * p, i, 0.5] for i, p in enumerate([0.0, 500.0, 1000.0])]] * 2)
+    for n in range(11):
+        draw_seed_band(axes, f"row{n}", curves, curves[:, :, 3])
+    styles = [line.get_linestyle() for line in axes[0].get_lines()]
+    assert styles[:10] == ["-"] * 10 and styles[10] == "--"
+    assert axes[0].get_lines()[10].get_color() == axes[0].get_lines()[0].get_color()  # why it must be dashed
