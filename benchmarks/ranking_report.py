@@ -138,7 +138,7 @@ def comparison_lines(by_row: dict[str, list[dict]], zofed: str = "zofed",
     seeds = sorted(mine.keys() & theirs.keys())
     needed = TARGET_SEEDS if alpha == HEADLINE_ALPHA else OTHER_ALPHA_SEEDS
     lines += ["", "Targets (the learning-speed issue, from these rows):" if alpha == HEADLINE_ALPHA else
-              f"The targets' measures at alpha {alpha:g} (the issue sets its targets at alpha {HEADLINE_ALPHA:g} on "
+              f"The targets' measures at alpha {alpha} (the issue sets its targets at alpha {HEADLINE_ALPHA} on "
               f"{TARGET_SEEDS} seeds, and runs this alpha on {OTHER_ALPHA_SEEDS}):", ""]
     # fewer seeds than the setting runs can only say a target is on track
     met = "met" if len(seeds) >= needed else f"met on {len(seeds)} of the {needed} seeds so far"

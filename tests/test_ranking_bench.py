@@ -63,7 +63,7 @@ def test_away_from_the_headline_alpha_three_seeds_give_a_reading():
     by_row = {"zofed": [_row("zofed", s, f, fast) for s, f in enumerate([0.80, 0.81, 0.79])],
               "decomfl": [_row("decomfl", s, f, slow) for s, f in enumerate([0.76, 0.76, 0.77])]}
     text = "\n".join(comparison_lines(by_row, alpha=1.0))
-    assert "The targets' measures at alpha 1 (the issue sets its targets at alpha 0.1 on 5 seeds" in text
+    assert "The targets' measures at alpha 1.0 (the issue sets its targets at alpha 0.1 on 5 seeds" in text
     assert "at least +2 points and two standard errors: met\n" in text + "\n"
     two = "\n".join(comparison_lines({n: rs[:2] for n, rs in by_row.items()}, alpha=1.0))
     assert "met on 2 of the 3 seeds so far" in two
