@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from zofed.data.sources import DataError, TextDataset
-from zofed.models.selection import LABEL_HEAD, label_head_rows
+from zofed.models.selection import LABEL_HEAD, label_head_rows, unwrap
 
 if TYPE_CHECKING:
     from zofed.data.body_features import BodyFeatures
@@ -85,11 +85,6 @@ class Batch:
         if self.input_ids.device == device:
             return self
         return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.labels.to(device))
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model inside a peft wrapper (LoRA layers are injected in place, so it runs them)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def template_fields(template: str) -> set[str]:

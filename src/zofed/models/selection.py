@@ -23,6 +23,11 @@ SelectionMode = Literal["all", "lora", "patterns", "magnitude", "none"]
 LABEL_HEAD = "label_head"  # the parameter a prompt-classification task attaches to the model (data/tasks.py)
 
 
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a peft wrapper (LoRA layers are injected in place, so it runs them)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def label_head_owner(name: str) -> str | None:
     """The path of the module holding the label head, when `name` is the head (`label_head`) or one of its
     per-class rows (`label_head.0`, ...); None for any other parameter."""
@@ -62,7 +67,7 @@ class TrainableConfig(BaseModel):
     magnitude_keep: Literal["largest", "smallest"] = "largest"
 
     @model_validator(mode="after")
-    def _per_class_needs_a_head(self) -> TrainableConfig:
+    def _options_fit_the_mode(self) -> TrainableConfig:
         if self.label_head_per_class and not self.label_head:
             raise ValueError("trainable.label_head_per_class splits the label head: set trainable.label_head=true")
         if self.lora_layers is not None and self.mode != "lora":

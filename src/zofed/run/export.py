@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from zofed.data.tasks import PromptClassification, unwrap
-from zofed.models.selection import LABEL_HEAD, label_head_rows
+from zofed.data.tasks import PromptClassification
+from zofed.models.selection import LABEL_HEAD, label_head_rows, unwrap
 from zofed.run.config import ConfigError
 from zofed.run.setup import Setup, load_run
 

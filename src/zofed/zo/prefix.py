@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from zofed.models.selection import unwrap
+
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -29,12 +31,8 @@ class _Captured(Exception):
     """Raised by the capture hook to stop the forward pass once the first trainable block's inputs are known."""
 
 
-def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model  # peft injects LoRA in place
-
-
 def _backbone(model: torch.nn.Module) -> torch.nn.Module:
-    lm = _unwrapped(model)
+    lm = unwrap(model)
     return getattr(lm, lm.base_model_prefix)
 
 
@@ -76,7 +74,7 @@ class PrefixCache:
         if not 0 <= start <= len(self.layers):
             raise ValueError(f"the model has {len(self.layers)} blocks; cannot start a cached pass at block {start}")
         self.start = start
-        self.output_layer = _unwrapped(model).get_output_embeddings() if output_layer else None
+        self.output_layer = unwrap(model).get_output_embeddings() if output_layer else None
         # The share of a full forward pass a perturbed pass runs: of the model's blocks, or, when it runs the output
         # layer too, of the weights of the blocks and that layer together (on SmolLM2-135M the vocabulary projection
         # holds 21% of them: a pass over the top 2 of its 30 blocks and the projection costs 0.26 of a full one).
