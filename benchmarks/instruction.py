@@ -394,8 +394,45 @@ def tuning_lines(rows: list[dict]) -> list[str]:
         untuned = [name for name in GRIDS if name not in grid]
         if untuned:
             lines += ["", f"Not tuned yet: {', '.join(untuned)}."]
-        lines.append("")
+        lines += ["", *descent_lines(grid, chosen, budget), ""]
     return lines or ["No row has been tuned yet (`--phase tune`): finals are shown only at a tuned point.", ""]
+
+
+def descent_lines(grid: dict[str, dict[Point, list[dict]]], chosen: dict[str, Point], budget: float) -> list[str]:
+    """How far each row's chosen point moved the validation loss (the tune run's evaluation subset, its first point
+    against its last), the ZO rows' best against FedAvg's, and the ZO grid points above the chosen one that ended
+    above their start (a step too long): what a larger budget, or a finer grid, would have to change."""
+    def drop(run: dict) -> float:
+        return run["curve"][-1][2] - run["curve"][0][2]
+
+    moved = {name: float(np.mean([drop(r) for r in grid[name][point]])) for name, point in chosen.items()
+             if all(len(r.get("curve", [])) >= 2 for r in grid[name][point])}
+    if not moved:
+        return []
+    lines = ["How far each chosen point moved the validation loss (its evaluation subset, start → end of the run): "
+             + "; ".join(f"{name} {value:+.4f}" for name, value in moved.items()) + "."]
+    zo = {name: value for name, value in moved.items() if not get_method(ROWS[name]).first_order}
+    if zo and "fedavg-lora" in moved and min(zo.values()) < 0 < -moved["fedavg-lora"]:
+        best = min(zo, key=zo.get)
+        ratio = moved["fedavg-lora"] / zo[best]
+        lines[0] += (f" The ZO rows' largest drop ({best}) is {ratio:.0f} times smaller than FedAvg-LoRA's at the "
+                     f"same compute: at that rate a ZO row would need about {ratio * budget:,.0f} passes to move the "
+                     "loss as far as FedAvg-LoRA did in "
+                     f"{budget:,.0f} (a linear extrapolation, not a measurement).")
+    overshoot = []
+    for name, point in chosen.items():
+        if name not in zo:
+            continue
+        above = [p for p in GRIDS[name] if p[0] * p[1] > point[0] * point[1] and p in grid[name]]
+        starts = {p: float(np.mean([r["curve"][0][2] for r in grid[name][p]])) for p in above}
+        ends = {p: float(np.mean([r["curve"][-1][2] for r in grid[name][p]])) for p in above}
+        overshoot += [f"{name} at {_point_label(p)} ({starts[p]:.3f} → {ends[p]:.2f})" for p in above
+                      if ends[p] > starts[p]]
+    if overshoot:
+        lines[0] += (" The next grid point up ended above its start, a step too long, for " + ", ".join(overshoot)
+                     + ": between the chosen point and it the loss goes from barely moving to diverging, so a finer "
+                     "grid there might move it further.")
+    return lines
 
 
 def write_report(table: dict, out: Path) -> None:

@@ -123,3 +123,20 @@ def test_the_report_checks_both_targets_from_the_rows(tmp_path):
     assert "| fedavg-lora | 3 | 29.00 ± 1.00 | 2.000 | 20.00 → 29.00 | 2.000 → 1.710 | 10 |" in report
     assert "Zero-shot, the starting model: ROUGE-L 30.00, test loss 2.100 on 160 examples" in report
     assert (tmp_path / "instruction_b360.png").is_file()
+
+
+def test_the_tuning_report_prices_each_chosen_points_descent_and_the_overshoot_above_it():
+    def run(row: str, lr: float, start: float, end: float, factor: float = 1.0) -> dict:
+        return {**_tuned(row, lr, end, factor), "curve": [[0.0, 0, start], [360.0, 15, end]]}
+
+    rows = [run("zofed", 1e-2, 2.25, 2.24, 10.0), run("zofed", 1e-2, 2.25, 20.5, 100.0),
+            run("fedkseed", 1e-3, 2.25, 2.245), run("fedkseed", 1e-4, 2.25, 2.2499),
+            run("fedavg-lora", 1e-3, 2.25, 2.05)]
+    text = "\n".join(instruction.tuning_lines(rows))
+    assert "zofed -0.0100; fedkseed -0.0050; fedavg-lora -0.2000." in text
+    # FedAvg's drop over the best ZO row's: 20 times, so 20 x 360 passes at that rate
+    assert "largest drop (zofed) is 20 times smaller than FedAvg-LoRA's" in text and "about 7,200 passes" in text
+    # only a point above the chosen one that ends over its start counts as a step too long
+    assert "for zofed at lr 0.01, server x100 (2.250 → 20.50):" in text and "fedkseed at" not in text
+    # without curves (older rows) nothing is claimed
+    assert "How far" not in "\n".join(instruction.tuning_lines([_tuned("zofed", 1e-2, 2.0)]))
