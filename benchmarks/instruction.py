@@ -431,9 +431,9 @@ def descent_lines(grid: dict[str, dict[Point, list[dict]]], chosen: dict[str, Po
         overshoot += [f"{name} at {_point_label(p)} ({starts[p]:.3f} → {ends[p]:.2f})" for p in above
                       if ends[p] > starts[p]]
     if overshoot:
-        lines[0] += (" The next grid point up ended above its start, a step too long, for " + ", ".join(overshoot)
-                     + ": between the chosen point and it the loss goes from barely moving to diverging, so a finer "
-                     "grid there might move it further.")
+        lines[0] += (" Grid points above the chosen one that ended above their start, a step too long: "
+                     + ", ".join(overshoot) + ". Between the chosen point and the first of these the loss goes from "
+                     "barely moving to diverging.")
     return lines
 
 

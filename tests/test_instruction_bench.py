@@ -138,6 +138,6 @@ def test_the_tuning_report_prices_each_chosen_points_descent_and_the_overshoot_a
     # FedAvg's drop over the best ZO row's: 20 times, so 20 x 360 passes at that rate
     assert "largest drop (zofed) is 20 times smaller than FedAvg-LoRA's" in text and "about 7,200 passes" in text
     # only a point above the chosen one that ends over its start counts as a step too long
-    assert "for zofed at lr 0.01, server x100 (2.250 → 20.50):" in text and "fedkseed at" not in text
+    assert "a step too long: zofed at lr 0.01, server x100 (2.250 → 20.50)." in text and "fedkseed at" not in text
     # without curves (older rows) nothing is claimed
     assert "How far" not in "\n".join(instruction.tuning_lines([_tuned("zofed", 1e-2, 2.0)]))
