@@ -1,0 +1,159 @@
+"""The instruction-tuning benchmark's protocol: its rows, their grids and shared settings, each row's cost in
+forward passes, the configs its runs use, the keys its table stores them under, and the tuning's choice of each
+row's point. benchmarks/instruction.py runs it; benchmarks/instruction_report.py writes its report."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import torch
+from ranking_protocol import METHOD_OPTIONS  # benchmarks/ is the script's own directory, so first on sys.path
+
+from zofed.fl.methods import get_method
+from zofed.fl.plan import FederationPlan
+from zofed.run.config import load_config
+from zofed.run.federated_config import FederatedConfig
+from zofed.run.setup import build_model, prefix_cache
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = ROOT / "runs" / "bench" / "instruction"
+DATA = "dolly-alpaca-10clients"
+PER_ROUND, LOCAL_STEPS, BATCH, MAX_LENGTH, CURVE_EXAMPLES, TEST_SIZE = 3, 4, 4, 256, 40, 160
+CLIENTS = 9  # the natural split: one client per training file
+ZERO_SHOT = "zero-shot"
+# row -> federation.method (None: no training)
+ROWS: dict[str, str | None] = {ZERO_SHOT: None, "zofed": "zofed", "zo-seeds": "zo-seeds", "fedkseed": "fedkseed",
+                               "decomfl": "decomfl", "fedavg-lora": "fedavg", "zofed-top2-cached": "zofed"}
+# zofed's engine lever (the learning-speed issue's prefix caching) on this task: LoRA on the top 2 of the 30 blocks
+# only, so each step runs the frozen bottom once and then only the top blocks and the vocabulary projection (0.26 of
+# a full pass, the projection being most of it) for each of 4 one-sided queries: 2.05 passes a step against 2 for one
+# query on every block, so the same rounds as the zofed row, each step's direction averaged over 4 perturbations of
+# 1/15 of the adapters
+TOP_BLOCKS, TOP_QUERIES = 2, 4
+ROW_OPTIONS: dict[str, list[str]] = {
+    "zofed-top2-cached": [f"trainable.lora_layers={list(range(-TOP_BLOCKS, 0))}", "zo.prefix_cache=true",
+                          f"zo.queries={TOP_QUERIES}"]}
+# The (client lr, server lr factor) points each row is tuned on: four along the lever that sets its step. The client
+# lr is optimizer.lr for the ZO rows (MeZO steps on LoRA), federation.first_order_lr for FedAvg (AdamW); the factor
+# multiplies the method's default server lr. The plain-averaging rows step by their client lr. zofed's server
+# normalizes the round's update (adam, relative steps), so its step is set by the server lr alone: at client lr 1e-3
+# and 1e-2 under the default server lr its validation subset's loss moved by 6e-5 and 5e-5 over the run. FedKSeed
+# at client lr 1e-2 ended at a validation loss of 21.3 (2.35 at the start): the plain rows' grid tops out there.
+# Every ZO row's loss went from barely moving (-0.003) to diverging within the decade between its second and fourth
+# points, so each grid has a half-decade point there (the third), FedAvg's too, for the same grid everywhere.
+Point = tuple[float, float]
+CLIENT_LR_GRID = [(1e-4, 1.0), (1e-3, 1.0), (3e-3, 1.0), (1e-2, 1.0)]  # the plain ZO rows' MeZO lr, FedAvg's AdamW lr
+SERVER_LR_GRID = [(1e-2, 1.0), (1e-2, 10.0), (1e-2, 30.0), (1e-2, 100.0)]  # zofed's: its adam server sets the step
+GRIDS: dict[str, list[Point]] = {"zofed": SERVER_LR_GRID, "zo-seeds": CLIENT_LR_GRID,
+                                 "fedkseed": CLIENT_LR_GRID, "decomfl": CLIENT_LR_GRID,
+                                 "fedavg-lora": CLIENT_LR_GRID, "zofed-top2-cached": SERVER_LR_GRID}
+VALIDATION = 100  # training records held out to tune on (data.validation_examples): 200 took 6 min to score
+TUNE, FINAL = "tune", "final"
+COMMON = ["model.name=smollm2-135m", "data.source=shared:dolly", "task.type=causal-lm", f"task.max_length={MAX_LENGTH}",
+          f"task.generate_eval={TEST_SIZE}", "trainable.mode=lora", f"train.batch_size={BATCH}",
+          "train.eval_batch_size=16", f"data.eval_examples={CURVE_EXAMPLES}", "federation.partition.scheme=natural",
+          "federation.partition.column=client", "federation.partition.test_fraction=0",
+          f"federation.clients_per_round={PER_ROUND}", f"federation.local_steps={LOCAL_STEPS}", "optimizer.name=mezo",
+          "zo.eps=1e-3"]
+# 15 ZO rounds, 10 FedAvg rounds: the 6 rows x 3 seeds in about 4 hours on 2 cores that other jobs share
+# (`--jobs 2 --threads 1`; a ZO round took ~95 s there, a FedAvg round ~100 s; a final test, 160 answers of up
+# to 128 tokens, ~4 min as docs/federated.md measured)
+DEFAULT_BUDGET = 360
+
+
+def per_client_round_cost(row: str) -> float:
+    """Forward-pass equivalents one client spends in a round of this row, as its method counts them."""
+    method = ROWS[row]
+    if method is None:
+        return 0.0
+    config = load_config(None, [*COMMON, *METHOD_OPTIONS.get(method, []), *ROW_OPTIONS.get(row, []),
+                                f"federation.method={method}"], schema=FederatedConfig)
+    plan = FederationPlan.from_config(config, CLIENTS, pass_fraction(row) if config.zo.prefix_cache else 1.0)
+    return get_method(method).forward_passes(plan.round(0))
+
+
+@functools.cache
+def pass_fraction(row: str) -> float:
+    """The share of a full forward pass one perturbed pass of a prefix-cached row runs, read off the model it
+    trains (its blocks above the split and the vocabulary projection, against all of them)."""
+    config = load_config(None, [*COMMON, *ROW_OPTIONS[row], f"federation.method={ROWS[row]}"],
+                         schema=FederatedConfig)
+    model, trainable, task = build_model(config, None, torch.device("cpu"))
+    return prefix_cache(config, model, trainable, task).fraction
+
+
+def rounds_for(row: str, budget: float) -> int:
+    return max(1, int(budget // (PER_ROUND * per_client_round_cost(row))))
+
+
+def _point_key(point: Point) -> str:
+    lr, factor = point
+    return f"{lr:g}" if factor == 1.0 else f"{lr:g}|x{factor:g}"
+
+
+def row_key(row: str, seed: int, budget: float, evalset: tuple[int | None, int, int], point: Point | None = None,
+            phase: str = FINAL) -> str:
+    """A row's key in the table (and its run directory): what makes its numbers, the tuned point included."""
+    if phase == TUNE:
+        return f"{TUNE}|{row}|{seed}|{_point_key(point)}|{budget:g}|val{VALIDATION}"
+    test, tokens, curve = evalset
+    scored = f"test{test or TEST_SIZE}|new{tokens}"
+    if ROWS[row] is None:
+        return f"{row}|{scored}"  # no seed, lr or budget changes the starting model's answers
+    return f"{row}|{seed}|{_point_key(point)}|{budget:g}|{scored}|curve{curve}"
+
+
+def make_config(row: str, seed: int, budget: float, evalset: tuple[int | None, int, int], out: Path,
+                point: Point | None = None, phase: str = FINAL) -> FederatedConfig:
+    test, tokens, curve = evalset
+    method = ROWS[row]
+    overrides = [*COMMON, f"train.seed={seed}", f"out_dir={out}", *([f"data.test_examples={test}"] if test else [])]
+    if method is None:  # the zero-shot row only evaluates: one training record spares tokenizing 20,000
+        return load_config(None, [*overrides, f"task.max_new_tokens={tokens}", "data.train_examples=1"],
+                           schema=FederatedConfig)
+    if phase == TUNE:  # the loss on held-out training records, every evaluation: no generation, no test data
+        overrides += [f"data.validation_examples={VALIDATION}", "data.evaluate_on=validation",
+                      "task.generate_eval=0"]
+    else:
+        overrides += [f"task.max_new_tokens={tokens}", f"task.curve_max_new_tokens={curve}"]
+    rounds = rounds_for(row, budget)
+    lr, factor = point
+    server = get_method(method).server_default
+    lr_key = "federation.first_order_lr" if get_method(method).first_order else "optimizer.lr"
+    every = rounds if phase == TUNE else max(1, rounds // 5)  # a tune run is judged at its end alone
+    return load_config(None, [*overrides, *METHOD_OPTIONS.get(method, []), *ROW_OPTIONS.get(row, []),
+                              f"federation.method={method}",
+                              f"{lr_key}={lr}", f"federation.server_optimizer.name={server.name}",
+                              f"federation.server_optimizer.lr={server.lr * factor}", f"federation.rounds={rounds}",
+                              f"federation.eval_every={every}"],
+                       schema=FederatedConfig)
+
+
+def point_of(row: dict) -> Point:
+    return row["lr"], row.get("server_factor", 1.0)
+
+
+def tune_runs(rows: list[dict], budget: float) -> dict[str, dict[Point, list[dict]]]:
+    """The tune phase's runs at `budget`: row -> point -> its runs (one per seed)."""
+    grid: dict[str, dict[Point, list[dict]]] = {}
+    for r in rows:
+        if r.get("phase") == TUNE and r["budget"] == budget:
+            grid.setdefault(r["row"], {}).setdefault(point_of(r), []).append(r)
+    return grid
+
+
+def chosen_points(rows: list[dict], budget: float) -> dict[str, Point]:
+    """Each tuned row's point with the lowest mean validation loss (over its seeds) at `budget`."""
+    return {row: min(by_point, key=lambda p: float(np.mean([r["validation_loss"] for r in by_point[p]])))
+            for row, by_point in tune_runs(rows, budget).items()}
+
+
+def zofed_variant(rows: list[dict], budget: float) -> str:
+    """The zofed row the targets judge: of zofed's tuned variants, the one whose chosen point has the lowest
+    validation loss (the test set never picks it); plain zofed before any is tuned."""
+    tuned = tune_runs(rows, budget)
+    best = {row: float(np.mean([r["validation_loss"] for r in tuned[row][point]]))
+            for row, point in chosen_points(rows, budget).items() if ROWS[row] == "zofed"}
+    return min(best, key=best.get) if best else "zofed"
