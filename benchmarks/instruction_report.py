@@ -176,8 +176,7 @@ def descent_lines(grid: dict[str, dict[Point, list[dict]]], chosen: dict[str, Po
                       if ends[p] > starts[p]]
     if overshoot:
         lines[0] += (" Grid points above the chosen one that ended above their start, a step too long: "
-                     + ", ".join(overshoot) + ". Between the chosen point and the first of these the loss goes from "
-                     "barely moving to diverging.")
+                     + ", ".join(overshoot) + ".")
     return lines
 
 
