@@ -59,6 +59,7 @@ from instruction_protocol import (  # benchmarks/ is the script's own directory,
     DATA,
     DEFAULT_BUDGET,
     FINAL,
+    FINAL_SEEDS,
     GRIDS,
     ROOT,
     ROWS,
@@ -178,7 +179,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results", help="where the table and report go")
     parser.add_argument("--table-only", action="store_true", help="rewrite the report from the table, run nothing")
     args = parser.parse_args()
-    args.seeds = args.seeds if args.seeds is not None else ([0] if args.phase == TUNE else [0, 1, 2])
+    args.seeds = args.seeds if args.seeds is not None else ([0] if args.phase == TUNE else FINAL_SEEDS)
     path = args.out / "instruction.json"
     table = json.loads(path.read_text()) if path.is_file() else {"meta": {}, "rows": {}}
     if args.table_only:

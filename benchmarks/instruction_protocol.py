@@ -51,6 +51,7 @@ GRIDS: dict[str, list[Point]] = {"zofed": SERVER_LR_GRID, "zo-seeds": CLIENT_LR_
                                  "fedavg-lora": CLIENT_LR_GRID, "zofed-top2-cached": SERVER_LR_GRID}
 VALIDATION = 100  # training records held out to tune on (data.validation_examples): 200 took 6 min to score
 TUNE, FINAL = "tune", "final"
+FINAL_SEEDS = [0, 1, 2]  # the finals' seeds (tuning runs seed 0 alone)
 COMMON = ["model.name=smollm2-135m", "data.source=shared:dolly", "task.type=causal-lm", f"task.max_length={MAX_LENGTH}",
           f"task.generate_eval={TEST_SIZE}", "trainable.mode=lora", f"train.batch_size={BATCH}",
           "train.eval_batch_size=16", f"data.eval_examples={CURVE_EXAMPLES}", "federation.partition.scheme=natural",

@@ -11,6 +11,7 @@ from curve_plot import draw_seed_band, label_and_save  # benchmarks/ is the scri
 from instruction_protocol import (
     BATCH,
     CURVE_EXAMPLES,
+    FINAL_SEEDS,
     GRIDS,
     LOCAL_STEPS,
     MAX_LENGTH,
@@ -65,7 +66,9 @@ def target_lines(by_row: dict[str, list[dict]], zofed: str = "zofed") -> list[st
     variant judged (`zofed_variant`)."""
     means = {name: mean_std([r["test_rougeL"] for r in rs])[0] for name, rs in by_row.items()}
     federated = [n for n in by_row if n != ZERO_SHOT]
-    lines = ["Targets:", ""]
+    short = [f"{n} {len(by_row[n])}" for n in federated if len(by_row[n]) < len(FINAL_SEEDS)]
+    provisional = f" (provisional, seeds run so far: {', '.join(short)} of {len(FINAL_SEEDS)})" if short else ""
+    lines = [f"Targets{provisional}:", ""]
     if ZERO_SHOT in means and federated:
         below = [n for n in federated if means[n] < means[ZERO_SHOT]]
         verdict = "met" if not below else f"missed by {', '.join(below)}"
@@ -227,7 +230,8 @@ def write_report(table: dict, out: Path) -> None:
                 continue
             start, end = (float(np.mean(points([r["curve"][i][3] for r in rs]))) for i in (0, -1))
             loss_start, loss_end = (float(np.mean([r["curve"][i][4] for r in rs])) for i in (0, -1))
-            lines.append(f"| {name} | {len(rs)} | {score:.2f} ± {spread:.2f} | {loss:.3f} | {start:.2f} → {end:.2f} "
+            spread_text = f" ± {spread:.2f}" if len(rs) > 1 else " (one seed, no spread yet)"
+            lines.append(f"| {name} | {len(rs)} | {score:.2f}{spread_text} | {loss:.3f} | {start:.2f} → {end:.2f} "
                          f"| {loss_start:.3f} → {loss_end:.3f} "
                          f"| {rs[0]['rounds']} | {rs[0]['forward_passes']:,.0f} "
                          f"| {rs[0]['bytes_up_per_client_round']:,.0f} "

@@ -125,6 +125,14 @@ def test_the_report_checks_both_targets_from_the_rows(tmp_path):
     assert "| fedavg-lora | 3 | 29.00 ± 1.00 | 2.000 | 20.00 → 29.00 | 2.000 → 1.710 | 10 |" in text
     assert "Zero-shot, the starting model: ROUGE-L 30.00, test loss 2.100 on 160 examples" in text
     assert (tmp_path / "instruction_b360.png").is_file()
+    assert "Targets:" in text and "provisional" not in text
+
+    # one seed so far: no spread is shown as zero, and the targets say they are provisional
+    first = [r for r in rows if r.get("seed", 0) == 0 or r["row"] == "zero-shot"]
+    report.write_report({"meta": {}, "rows": {str(i): r for i, r in enumerate(first)}}, tmp_path)
+    text = (tmp_path / "instruction.md").read_text()
+    assert "| zofed | 1 | 32.00 (one seed, no spread yet) |" in text
+    assert "Targets (provisional, seeds run so far: zofed 1, fedkseed 1, fedavg-lora 1 of 3):" in text
 
 
 def test_the_tuning_report_prices_each_chosen_points_descent_and_the_overshoot_above_it():
