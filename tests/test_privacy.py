@@ -82,17 +82,18 @@ def test_local_dp_noises_at_the_client_and_the_server_leaves_the_numbers_be(tiny
                       show_progress=False)
         return [decode(data) for r in read_log(out / LOG_NAME)[1] for _, data in r.uplinks]
 
-    plain = uplinks(tmp_path / "plain")
-    local = uplinks(tmp_path / "local", "federation.clip_norm=1e-3", "federation.dp_noise=2.0",
-                    "federation.dp_at=client")
+    # 8 queries a step: 16 scalars an uplink, so the noise's norm is near 8e-3 on every draw (with the 2 scalars of
+    # one query, a fresh draw fell under the 1e-3 clip about one run in 9)
+    private = ("federation.clip_norm=1e-3", "federation.dp_noise=2.0", "federation.dp_at=client", "zo.queries=8")
+    plain = uplinks(tmp_path / "plain", "zo.queries=8")
+    local = uplinks(tmp_path / "local", *private)
     first = plain[0]  # the first round starts from the same model: the same honest scalars, clipped and noised
     clipped = first.grads * min(1.0, 1e-3 / float(np.linalg.norm(first.grads)))
     noise = local[0].grads - clipped
     # noise of about 2 x 1e-3 on each scalar; a second run's client draws other noise (its own entropy, which
     # neither the seed nor the server knows)
-    assert 2e-4 < float(np.abs(noise).mean()) < 1e-2 and local[0].grads.shape == first.grads.shape
-    again = uplinks(tmp_path / "again", "federation.clip_norm=1e-3", "federation.dp_noise=2.0",
-                    "federation.dp_at=client")
+    assert 2e-4 < float(np.abs(noise).mean()) < 1e-2 and local[0].grads.shape == first.grads.shape == (2, 8)
+    again = uplinks(tmp_path / "again", *private)
     assert not np.array_equal(again[0].grads, local[0].grads)
     assert float(np.linalg.norm(local[0].grads)) > 1e-3  # what the server logged is the noised numbers, unclipped
     assert replay_run(tmp_path / "local").matches
