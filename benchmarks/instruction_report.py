@@ -98,6 +98,18 @@ def target_lines(by_row: dict[str, list[dict]], zofed: str = "zofed") -> list[st
     return lines
 
 
+def rising_lines(by_row: dict[str, list[dict]]) -> list[str]:
+    """The runs whose curve-subset loss ended above its round-0 value: a step that walked away from the start,
+    which a mean over seeds hides."""
+    rising = [f"{name} seed {r['seed']} ({r['curve'][0][4]:.3f} → {r['curve'][-1][4]:.3f}, its lowest "
+              f"{min(c[4] for c in r['curve']):.3f}; test ROUGE-L {100 * r['test_rougeL']:.2f})"
+              for name, rs in by_row.items() if name != ZERO_SHOT
+              for r in sorted(rs, key=lambda r: r["seed"]) if r["curve"][-1][4] > r["curve"][0][4]]
+    if not rising:
+        return ["No run's curve-subset loss ended above its round-0 value."]
+    return [f"Runs whose curve-subset loss ended above its round-0 value: {'; '.join(rising)}."]
+
+
 def plot_curves(by_row: dict[str, list[dict]], title: str, path: Path) -> None:
     """Subset ROUGE-L against client compute, cumulative uplink bytes per client and rounds: per row the mean over
     its seeds, the seeds' range as a band."""
@@ -219,19 +231,22 @@ def write_report(table: dict, out: Path) -> None:
     for (budget, test, tokens, curve_tokens), by_row in groups.items():
         lines += [f"## Budget {budget:,.0f} forward passes; test {test} examples, answers up to {tokens} tokens "
                   f"(curves: {curve_tokens})", "",
-                  "| row | seeds | test ROUGE-L (mean ± std) | test loss | subset ROUGE-L round 0 → end | subset loss "
-                  "round 0 → end | rounds | forward passes | uplink bytes / client / round | s / round (train) |",
-                  "|" + "---|" * 10]
+                  "| row | seeds | test ROUGE-L (mean ± std) | by seed | test loss | subset ROUGE-L round 0 → end "
+                  "| subset loss round 0 → end | rounds | forward passes | uplink bytes / client / round "
+                  "| s / round (train) |",
+                  "|" + "---|" * 11]
         for name, rs in by_row.items():
             score, spread = mean_std([r["test_rougeL"] for r in rs])
             loss = np.mean([r["test_loss"] for r in rs])
             if name == ZERO_SHOT:
-                lines.append(f"| {name} | - | {score:.2f} | {loss:.3f} | - | - | 0 | 0 | 0 | - |")
+                lines.append(f"| {name} | - | {score:.2f} | - | {loss:.3f} | - | - | 0 | 0 | 0 | - |")
                 continue
             start, end = (float(np.mean(points([r["curve"][i][3] for r in rs]))) for i in (0, -1))
             loss_start, loss_end = (float(np.mean([r["curve"][i][4] for r in rs])) for i in (0, -1))
             spread_text = f" ± {spread:.2f}" if len(rs) > 1 else " (one seed, no spread yet)"
-            lines.append(f"| {name} | {len(rs)} | {score:.2f}{spread_text} | {loss:.3f} | {start:.2f} → {end:.2f} "
+            by_seed = ", ".join(f"{100 * r['test_rougeL']:.2f}" for r in sorted(rs, key=lambda r: r["seed"]))
+            lines.append(f"| {name} | {len(rs)} | {score:.2f}{spread_text} | {by_seed} | {loss:.3f} "
+                         f"| {start:.2f} → {end:.2f} "
                          f"| {loss_start:.3f} → {loss_end:.3f} "
                          f"| {rs[0]['rounds']} | {rs[0]['forward_passes']:,.0f} "
                          f"| {rs[0]['bytes_up_per_client_round']:,.0f} "
@@ -246,7 +261,7 @@ def write_report(table: dict, out: Path) -> None:
                   f"{sorted({r['torch_threads'] for r in runs})}): setup with the round-0 evaluation "
                   f"{np.mean([r['setup_seconds'] for r in runs]):.0f}, a curve evaluation "
                   f"{np.mean(curve_seconds) if curve_seconds else float('nan'):.0f}, the final test "
-                  f"{np.mean([r['final_eval_seconds'] for r in runs]):.0f}.", "",
+                  f"{np.mean([r['final_eval_seconds'] for r in runs]):.0f}.", "", *rising_lines(by_row), "",
                   *target_lines(by_row, zofed_variant(rows, budget)), "", f"![ROUGE-L curves]({name})", ""]
     write_atomic_text(out / "instruction.md", "\n".join(lines) + "\n")
 

@@ -122,16 +122,25 @@ def test_the_report_checks_both_targets_from_the_rows(tmp_path):
     table = {"meta": {"machine": "test"}, "rows": {str(i): r for i, r in enumerate(rows)}}
     report.write_report(table, tmp_path)
     text = (tmp_path / "instruction.md").read_text()
-    assert "| fedavg-lora | 3 | 29.00 ± 1.00 | 2.000 | 20.00 → 29.00 | 2.000 → 1.710 | 10 |" in text
+    assert ("| fedavg-lora | 3 | 29.00 ± 1.00 | 29.00, 30.00, 28.00 | 2.000 | 20.00 → 29.00 | 2.000 → 1.710 | 10 |"
+            in text)
+    assert "No run's curve-subset loss ended above its round-0 value." in text
     assert "Zero-shot, the starting model: ROUGE-L 30.00, test loss 2.100 on 160 examples" in text
     assert (tmp_path / "instruction_b360.png").is_file()
     assert "Targets:" in text and "provisional" not in text
+
+    # a run whose subset loss ended above its start is named, though the mean over seeds would hide it
+    walked = next(r for r in rows if r["row"] == "zofed" and r["seed"] == 2)
+    walked["curve"] = [[0.0, 0.0, 0, 0.2, 2.0], [180.0, 50.0, 7, 0.21, 1.95], [360.0, 100.0, 15, 0.05, 3.5]]
+    report.write_report(table, tmp_path)
+    assert ("Runs whose curve-subset loss ended above its round-0 value: zofed seed 2 (2.000 → 3.500, its lowest "
+            "1.950; test ROUGE-L 33.00).") in (tmp_path / "instruction.md").read_text()
 
     # one seed so far: no spread is shown as zero, and the targets say they are provisional
     first = [r for r in rows if r.get("seed", 0) == 0 or r["row"] == "zero-shot"]
     report.write_report({"meta": {}, "rows": {str(i): r for i, r in enumerate(first)}}, tmp_path)
     text = (tmp_path / "instruction.md").read_text()
-    assert "| zofed | 1 | 32.00 (one seed, no spread yet) |" in text
+    assert "| zofed | 1 | 32.00 (one seed, no spread yet) | 32.00 |" in text
     assert "Targets (provisional, seeds run so far: zofed 1, fedkseed 1, fedavg-lora 1 of 3):" in text
 
 
