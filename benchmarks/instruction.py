@@ -10,7 +10,8 @@ Protocol (the instruction-tuning issue):
   v_proj (`trainable.mode=lora`, the default), the ZO rows included: one trainable set, the one FedAvg needs.
   One more row prices zofed's engine lever on this task: `zofed-top2-cached` trains the same adapters on the top
   2 blocks only (`trainable.lora_layers`), runs the frozen bottom once a step (`zo.prefix_cache`) and averages 4
-  queries a step over the top blocks (ROW_OPTIONS).
+  queries a step over the top blocks (ROW_OPTIONS). The finals run the zofed variant with the lower validation
+  loss after tuning (`final_rows`); the other is priced by its tuning runs unless `--rows` names it.
 - Federation: 3 of the 9 clients a round, 4 local steps of batch 4.
 - Budget (`--budget`): client compute in forward-pass equivalents of the full model (a backward counts as two
   forwards), summed over the federation, the same for every row; each method counts its own cost, so a row's
@@ -69,6 +70,7 @@ from instruction_protocol import (  # benchmarks/ is the script's own directory,
     ZERO_SHOT,
     Point,
     chosen_points,
+    final_rows,
     make_config,
     per_client_round_cost,
     row_key,
@@ -164,7 +166,9 @@ def _process(row: str, seed: int, budget: float, evalset: tuple[int | None, int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
+    parser.add_argument("--rows", nargs="*", choices=list(ROWS),
+                        help="default: every row (tune); every row but the zofed variant the tuning did not choose "
+                             "(final)")
     parser.add_argument("--phase", choices=[TUNE, FINAL], default=FINAL,
                         help="tune: every row's grid on the validation split; final: the chosen points on the test set")
     parser.add_argument("--seeds", type=int, nargs="*", help="default: 0 1 2 (final), 0 (tune)")
@@ -194,6 +198,12 @@ def main() -> None:
                      "common": COMMON, "grids": GRIDS, "validation_examples": VALIDATION}
     evalset = (args.test_examples, args.max_new_tokens, args.curve_tokens)
     chosen = chosen_points(list(table["rows"].values()), args.budget)
+    if args.rows is None:
+        args.rows = list(ROWS) if args.phase == TUNE else final_rows(list(table["rows"].values()), args.budget)
+        left = [row for row in ROWS if row not in args.rows]
+        if left:
+            print(f"finals skip {', '.join(left)}: the tuning chose another zofed variant (name it in --rows to "
+                  "run it)", flush=True)
     untuned = [row for row in args.rows if args.phase == FINAL and ROWS[row] is not None and row not in chosen]
     if untuned:
         raise SystemExit(f"{', '.join(untuned)} never tuned at budget {args.budget:g}: run --phase tune first")

@@ -158,3 +158,11 @@ def zofed_variant(rows: list[dict], budget: float) -> str:
     best = {row: float(np.mean([r["validation_loss"] for r in tuned[row][point]]))
             for row, point in chosen_points(rows, budget).items() if ROWS[row] == "zofed"}
     return min(best, key=best.get) if best else "zofed"
+
+
+def final_rows(rows: list[dict], budget: float) -> list[str]:
+    """The rows whose finals the protocol runs: every row but the zofed variants the tuning did not choose. The
+    targets judge one zofed, picked on validation before any test; a variant that lost there is priced by its
+    tuning runs (`--rows` can still name it)."""
+    judged = zofed_variant(rows, budget)
+    return [row for row in ROWS if ROWS[row] != "zofed" or row == judged]

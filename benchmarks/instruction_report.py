@@ -4,6 +4,7 @@ issue's two targets."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ from instruction_protocol import (
     ZERO_SHOT,
     Point,
     chosen_points,
+    final_rows,
     pass_fraction,
     per_client_round_cost,
     point_of,
@@ -61,12 +63,14 @@ def settings(rows: list[dict]) -> dict[tuple, dict]:
     return {k: {name: g[name] for name in ROWS if g.get(name)} for k, g in sorted(groups.items())}
 
 
-def target_lines(by_row: dict[str, list[dict]], zofed: str = "zofed") -> list[str]:
+def target_lines(by_row: dict[str, list[dict]], zofed: str = "zofed", expected: Sequence[str] = ()) -> list[str]:
     """The issue's two targets, checked from the rows (means over seeds, ROUGE-L points); `zofed` names the zofed
-    variant judged (`zofed_variant`)."""
+    variant judged (`zofed_variant`), `expected` the rows the finals run (`final_rows`), so that a row with no
+    final yet keeps the verdict provisional."""
     means = {name: mean_std([r["test_rougeL"] for r in rs])[0] for name, rs in by_row.items()}
     federated = [n for n in by_row if n != ZERO_SHOT]
-    short = [f"{n} {len(by_row[n])}" for n in federated if len(by_row[n]) < len(FINAL_SEEDS)]
+    short = [f"{n} {len(by_row.get(n, []))}" for n in [*federated, *(n for n in expected if n not in by_row)]
+             if ROWS[n] is not None and len(by_row.get(n, [])) < len(FINAL_SEEDS)]
     provisional = f" (provisional, seeds run so far: {', '.join(short)} of {len(FINAL_SEEDS)})" if short else ""
     lines = [f"Targets{provisional}:", ""]
     if ZERO_SHOT in means and federated:
@@ -96,6 +100,16 @@ def target_lines(by_row: dict[str, list[dict]], zofed: str = "zofed") -> list[st
         lines.append(f"- zofed at least FedKSeed + 1 point: not checked yet (needs the rows of {zofed}, zofed's "
                      "variant with the lowest validation loss, and of FedKSeed).")
     return lines
+
+
+def finals_scope_lines(rows: list[dict], budget: float) -> list[str]:
+    """Which zofed variant the finals run, and the tuned variants they leave to their tuning runs."""
+    left = [row for row in GRIDS if row not in final_rows(rows, budget) and row in chosen_points(rows, budget)]
+    if not left:
+        return []
+    return [f"The finals run {zofed_variant(rows, budget)}, the zofed variant with the lower validation loss after "
+            f"tuning; {', '.join(left)} is priced by its tuning runs alone (its finals run when `--rows` names it).",
+            ""]
 
 
 def rising_lines(by_row: dict[str, list[dict]]) -> list[str]:
@@ -262,6 +276,8 @@ def write_report(table: dict, out: Path) -> None:
                   f"{np.mean([r['setup_seconds'] for r in runs]):.0f}, a curve evaluation "
                   f"{np.mean(curve_seconds) if curve_seconds else float('nan'):.0f}, the final test "
                   f"{np.mean([r['final_eval_seconds'] for r in runs]):.0f}.", "", *rising_lines(by_row), "",
-                  *target_lines(by_row, zofed_variant(rows, budget)), "", f"![ROUGE-L curves]({name})", ""]
+                  *finals_scope_lines(rows, budget), *target_lines(by_row, zofed_variant(rows, budget),
+                                                                   final_rows(rows, budget)),
+                  "", f"![ROUGE-L curves]({name})", ""]
     write_atomic_text(out / "instruction.md", "\n".join(lines) + "\n")
 

@@ -77,6 +77,10 @@ def test_tuning_chooses_each_rows_lowest_validation_loss_and_finals_need_it(tmp_
     assert protocol.zofed_variant([*rows, _tuned("zofed-top2-cached", 1e-2, 2.01, 10.0)], 360.0) == \
         "zofed-top2-cached"
     assert protocol.zofed_variant([_tuned("fedkseed", 1e-3, 1.5)], 360.0) == "zofed"
+    # the finals run the judged variant alone; the other was priced by its tuning runs
+    assert "zofed-top2-cached" not in protocol.final_rows(rows, 360.0) and "zofed" in protocol.final_rows(rows, 360.0)
+    assert protocol.final_rows([*rows, _tuned("zofed-top2-cached", 1e-2, 2.01, 10.0)], 360.0) == \
+        ["zero-shot", "zo-seeds", "fedkseed", "decomfl", "fedavg-lora", "zofed-top2-cached"]
     top = protocol.make_config("zofed-top2-cached", 0, 360.0, (None, 0, 0), tmp_path / "c", (1e-2, 10.0), "tune")
     assert (top.trainable.lora_layers, top.zo.prefix_cache, top.zo.queries) == ([-2, -1], True, 4)
     # A cached pass runs 2 of SmolLM2's 30 blocks (3,540,096 weights each, with 15,360 of LoRA) and the vocabulary
@@ -102,10 +106,12 @@ def test_tuning_chooses_each_rows_lowest_validation_loss_and_finals_need_it(tmp_
 def test_the_report_checks_both_targets_from_the_rows(tmp_path):
     rows = [{"row": "zero-shot", "method": None, "test_rougeL": 0.30, "test_loss": 2.1, "test_examples": 160,
              "max_new_tokens": 128, "final_eval_seconds": 500.0}]
-    rows += [_tuned(name, 1e-2, 2.0) for name in ("zofed", "fedkseed", "fedavg-lora")]
+    rows += [_tuned(name, 1e-2, 2.0) for name in ("zofed", "fedkseed", "fedavg-lora", "zo-seeds", "decomfl")]
+    rows += [_tuned("zofed-top2-cached", 1e-2, 2.2)]  # lost to zofed on validation: no finals
     rows += [_row("zofed", s, v) for s, v in enumerate([0.32, 0.34, 0.33])]
     rows += [_row("fedkseed", s, v) for s, v in enumerate([0.31, 0.31, 0.32])]
     rows += [_row("fedavg-lora", s, v) for s, v in enumerate([0.29, 0.30, 0.28])]
+    rows += [_row(name, s, 0.31) for name in ("zo-seeds", "decomfl") for s in range(3)]
     groups = report.settings(rows)
     lines = "\n".join(report.target_lines(groups[(360.0, 160, 128, 64)]))
     assert "at or above zero-shot (30.00): missed by fedavg-lora" in lines
@@ -128,6 +134,13 @@ def test_the_report_checks_both_targets_from_the_rows(tmp_path):
     assert "Zero-shot, the starting model: ROUGE-L 30.00, test loss 2.100 on 160 examples" in text
     assert (tmp_path / "instruction_b360.png").is_file()
     assert "Targets:" in text and "provisional" not in text
+    assert ("The finals run zofed, the zofed variant with the lower validation loss after tuning; zofed-top2-cached "
+            "is priced by its tuning runs alone") in text
+    # a row the finals run that has no final yet keeps the verdict provisional, though every row shown has 3 seeds
+    partial = [r for r in rows if r["row"] != "decomfl" or r.get("phase") == "tune"]
+    lines = report.target_lines(report.settings(partial)[(360.0, 160, 128, 64)], "zofed",
+                                protocol.final_rows(partial, 360.0))
+    assert lines[0] == "Targets (provisional, seeds run so far: decomfl 0 of 3):"
 
     # a run whose subset loss ended above its start is named, though the mean over seeds would hide it
     walked = next(r for r in rows if r["row"] == "zofed" and r["seed"] == 2)
@@ -141,7 +154,8 @@ def test_the_report_checks_both_targets_from_the_rows(tmp_path):
     report.write_report({"meta": {}, "rows": {str(i): r for i, r in enumerate(first)}}, tmp_path)
     text = (tmp_path / "instruction.md").read_text()
     assert "| zofed | 1 | 32.00 (one seed, no spread yet) | 32.00 |" in text
-    assert "Targets (provisional, seeds run so far: zofed 1, fedkseed 1, fedavg-lora 1 of 3):" in text
+    assert ("Targets (provisional, seeds run so far: zofed 1, zo-seeds 1, fedkseed 1, decomfl 1, fedavg-lora 1 of 3):"
+            in text)
 
 
 def test_the_tuning_report_prices_each_chosen_points_descent_and_the_overshoot_above_it():
