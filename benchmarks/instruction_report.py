@@ -49,10 +49,10 @@ def mean_std(values) -> tuple[float, float]:
 
 def settings(rows: list[dict]) -> dict[tuple, dict]:
     """The rows one table compares, by (budget, test examples, final tokens, curve tokens): each row's finals at
-    the point its tuning chose at that budget, and the zero-shot row scored the same way."""
+    the point its tuning chose at that budget (in seed order), and the zero-shot row scored the same way."""
     groups: dict[tuple, dict] = {}
     chosen = {budget: chosen_points(rows, budget) for budget in {r["budget"] for r in rows if r.get("phase") == TUNE}}
-    for r in rows:
+    for r in sorted(rows, key=lambda r: r.get("seed", 0)):
         if (r.get("phase") != TUNE and r["row"] != ZERO_SHOT
                 and point_of(r) == chosen.get(r["budget"], {}).get(r["row"])):
             key = (r["budget"], r["test_examples"], r["max_new_tokens"], r["curve_tokens"])
@@ -69,7 +69,7 @@ def target_lines(by_row: dict[str, list[dict]], zofed: str = "zofed", expected: 
     final yet keeps the verdict provisional."""
     means = {name: mean_std([r["test_rougeL"] for r in rs])[0] for name, rs in by_row.items()}
     federated = [n for n in by_row if n != ZERO_SHOT]
-    short = [f"{n} {len(by_row.get(n, []))}" for n in [*federated, *(n for n in expected if n not in by_row)]
+    short = [f"{n} {len(by_row.get(n, []))}" for n in dict.fromkeys([*federated, *expected])
              if ROWS[n] is not None and len(by_row.get(n, [])) < len(FINAL_SEEDS)]
     provisional = f" (provisional, seeds run so far: {', '.join(short)} of {len(FINAL_SEEDS)})" if short else ""
     lines = [f"Targets{provisional}:", ""]
@@ -102,12 +102,12 @@ def target_lines(by_row: dict[str, list[dict]], zofed: str = "zofed", expected: 
     return lines
 
 
-def finals_scope_lines(rows: list[dict], budget: float) -> list[str]:
-    """Which zofed variant the finals run, and the tuned variants they leave to their tuning runs."""
-    left = [row for row in GRIDS if row not in final_rows(rows, budget) and row in chosen_points(rows, budget)]
+def finals_scope_lines(rows: list[dict], budget: float, judged: str, expected: Sequence[str]) -> list[str]:
+    """Which zofed variant the finals run (`judged`), and the tuned variants they leave to their tuning runs."""
+    left = [row for row in GRIDS if row not in expected and row in chosen_points(rows, budget)]
     if not left:
         return []
-    return [f"The finals run {zofed_variant(rows, budget)}, the zofed variant with the lower validation loss after "
+    return [f"The finals run {judged}, the zofed variant with the lower validation loss after "
             f"tuning; {', '.join(left)} is priced by its tuning runs alone (its finals run when `--rows` names it).",
             ""]
 
@@ -118,7 +118,7 @@ def rising_lines(by_row: dict[str, list[dict]]) -> list[str]:
     rising = [f"{name} seed {r['seed']} ({r['curve'][0][4]:.3f} → {r['curve'][-1][4]:.3f}, its lowest "
               f"{min(c[4] for c in r['curve']):.3f}; test ROUGE-L {100 * r['test_rougeL']:.2f})"
               for name, rs in by_row.items() if name != ZERO_SHOT
-              for r in sorted(rs, key=lambda r: r["seed"]) if r["curve"][-1][4] > r["curve"][0][4]]
+              for r in rs if r["curve"][-1][4] > r["curve"][0][4]]
     if not rising:
         return ["No run's curve-subset loss ended above its round-0 value."]
     return [f"Runs whose curve-subset loss ended above its round-0 value: {'; '.join(rising)}."]
@@ -243,6 +243,7 @@ def write_report(table: dict, out: Path) -> None:
         lines += [f"{len(finals) - shown} final rows of the table (at an lr their tuning did not choose, or with no "
                   "federated row scored the same way) are not shown.", ""]
     for (budget, test, tokens, curve_tokens), by_row in groups.items():
+        judged, expected = zofed_variant(rows, budget), final_rows(rows, budget)
         lines += [f"## Budget {budget:,.0f} forward passes; test {test} examples, answers up to {tokens} tokens "
                   f"(curves: {curve_tokens})", "",
                   "| row | seeds | test ROUGE-L (mean ± std) | by seed | test loss | subset ROUGE-L round 0 → end "
@@ -258,7 +259,7 @@ def write_report(table: dict, out: Path) -> None:
             start, end = (float(np.mean(points([r["curve"][i][3] for r in rs]))) for i in (0, -1))
             loss_start, loss_end = (float(np.mean([r["curve"][i][4] for r in rs])) for i in (0, -1))
             spread_text = f" ± {spread:.2f}" if len(rs) > 1 else " (one seed, no spread yet)"
-            by_seed = ", ".join(f"{100 * r['test_rougeL']:.2f}" for r in sorted(rs, key=lambda r: r["seed"]))
+            by_seed = ", ".join(f"{100 * r['test_rougeL']:.2f}" for r in rs)  # settings keeps seed order
             lines.append(f"| {name} | {len(rs)} | {score:.2f}{spread_text} | {by_seed} | {loss:.3f} "
                          f"| {start:.2f} → {end:.2f} "
                          f"| {loss_start:.3f} → {loss_end:.3f} "
@@ -276,8 +277,7 @@ def write_report(table: dict, out: Path) -> None:
                   f"{np.mean([r['setup_seconds'] for r in runs]):.0f}, a curve evaluation "
                   f"{np.mean(curve_seconds) if curve_seconds else float('nan'):.0f}, the final test "
                   f"{np.mean([r['final_eval_seconds'] for r in runs]):.0f}.", "", *rising_lines(by_row), "",
-                  *finals_scope_lines(rows, budget), *target_lines(by_row, zofed_variant(rows, budget),
-                                                                   final_rows(rows, budget)),
+                  *finals_scope_lines(rows, budget, judged, expected), *target_lines(by_row, judged, expected),
                   "", f"![ROUGE-L curves]({name})", ""]
     write_atomic_text(out / "instruction.md", "\n".join(lines) + "\n")
 
