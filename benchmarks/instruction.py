@@ -10,8 +10,9 @@ Protocol (the instruction-tuning issue):
   v_proj (`trainable.mode=lora`, the default), the ZO rows included: one trainable set, the one FedAvg needs.
   One more row prices zofed's engine lever on this task: `zofed-top2-cached` trains the same adapters on the top
   2 blocks only (`trainable.lora_layers`), runs the frozen bottom once a step (`zo.prefix_cache`) and averages 4
-  queries a step over the top blocks (ROW_OPTIONS). The finals run the zofed variant with the lower validation
-  loss after tuning (`final_rows`); the other is priced by its tuning runs unless `--rows` names it.
+  queries a step over the top blocks (ROW_OPTIONS); `zofed-start` measures zofed's relative server step against
+  each tensor's RMS at the start of the run (`relative_to=start`). The finals run the zofed variant with the lowest
+  validation loss after tuning (`final_rows`); the others are priced by their tuning runs unless `--rows` names them.
 - Federation: 3 of the 9 clients a round, 4 local steps of batch 4.
 - Budget (`--budget`): client compute in forward-pass equivalents of the full model (a backward counts as two
   forwards), summed over the federation, the same for every row; each method counts its own cost, so a row's

@@ -107,9 +107,10 @@ def finals_scope_lines(rows: list[dict], budget: float, judged: str, expected: S
     left = [row for row in GRIDS if row not in expected and row in chosen_points(rows, budget)]
     if not left:
         return []
-    return [f"The finals run {judged}, the zofed variant with the lower validation loss after "
-            f"tuning; {', '.join(left)} is priced by its tuning runs alone (its finals run when `--rows` names it).",
-            ""]
+    one = len(left) == 1
+    return [f"The finals run {judged}, the zofed variant with the lowest validation loss after tuning; "
+            f"{', '.join(left)} {'is' if one else 'are'} priced by {'its' if one else 'their'} tuning runs alone "
+            f"({'its' if one else 'their'} finals run when `--rows` names {'it' if one else 'them'}).", ""]
 
 
 def rising_lines(by_row: dict[str, list[dict]]) -> list[str]:
@@ -219,7 +220,9 @@ def write_report(table: dict, out: Path) -> None:
              f"zofed with the same adapters on the top {TOP_BLOCKS} blocks only, the frozen bottom run once a step "
              f"(`zo.prefix_cache`) and {TOP_QUERIES} one-sided queries a step over the top blocks and the vocabulary "
              f"projection ({pass_fraction('zofed-top2-cached'):.3f} of a full pass each) "
-             f"({PER_ROUND * per_client_round_cost('zofed-top2-cached'):.1f} passes a round). The same client "
+             f"({PER_ROUND * per_client_round_cost('zofed-top2-cached'):.1f} passes a round). zofed-start is zofed "
+             "with each tensor's relative server step measured against its RMS at the start of the run instead of "
+             "its RMS now (`federation.server_optimizer.relative_to=start`). The same client "
              "compute for every "
              "row: a budget in forward-pass equivalents of the full model summed over the federation (a backward "
              "counts as two forwards), so a ZO round costs "
@@ -240,8 +243,10 @@ def write_report(table: dict, out: Path) -> None:
     finals = [r for r in rows if r.get("phase") != TUNE]
     shown = sum(len(rs) for g in groups.values() for rs in g.values())
     if shown < len(finals):
-        lines += [f"{len(finals) - shown} final rows of the table (at an lr their tuning did not choose, or with no "
-                  "federated row scored the same way) are not shown.", ""]
+        hidden = len(finals) - shown
+        lines += [f"{hidden} final {'row' if hidden == 1 else 'rows'} of the table (at an lr the tuning did not "
+                  f"choose, or with no federated row scored the same way) {'is' if hidden == 1 else 'are'} not "
+                  "shown.", ""]
     for (budget, test, tokens, curve_tokens), by_row in groups.items():
         judged, expected = zofed_variant(rows, budget), final_rows(rows, budget)
         lines += [f"## Budget {budget:,.0f} forward passes; test {test} examples, answers up to {tokens} tokens "

@@ -194,6 +194,10 @@ def test_zofed_defaults_to_relative_global_adam_and_other_choices_do_not_inherit
     assert (ramp["beta1_start"], ramp["ramp_rounds"]) == (0.5, 10)  # the ramp spans the run, as a cosine does
     with pytest.raises(ConfigError, match="beta1 ramp needs an adaptive"):
         ServerOptimizerSection(beta1_start=0.5).build("zo-seeds", 10)
+    assert "relative_to" not in zofed  # the default leaves the settings of earlier runs as they were
+    assert ServerOptimizerSection(relative_to="start").resolved("zofed", 10)["relative_to"] == "start"
+    with pytest.raises(ConfigError, match="federation.server_optimizer: relative_to start .* needs relative steps"):
+        ServerOptimizerSection(relative_to="start").build("zo-seeds", 10)
 
 
 def test_a_cosine_server_step_cannot_be_stretched_over_more_rounds_on_resume(tiny_workspace, tmp_path):

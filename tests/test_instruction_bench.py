@@ -71,7 +71,7 @@ def test_tuning_chooses_each_rows_lowest_validation_loss_and_finals_need_it(tmp_
     assert ("| zofed | lr 0.01: 2.1000 | **lr 0.01, server x10: 2.0500** | lr 0.01, server x30: not run | "
             "lr 0.01, server x100: 2.3000 |" in text)
     assert "| fedkseed | lr 0.0001: not run | **lr 0.001: 2.1100** | lr 0.003: not run | lr 0.01: 2.1200 |" in text
-    assert "Not tuned yet: zo-seeds, decomfl, fedavg-lora, zofed-top2-cached." in text
+    assert "Not tuned yet: zo-seeds, decomfl, fedavg-lora, zofed-top2-cached, zofed-start." in text
     # the targets judge zofed's variant with the lowest validation loss, never one the test set picks
     assert protocol.zofed_variant(rows, 360.0) == "zofed"
     assert protocol.zofed_variant([*rows, _tuned("zofed-top2-cached", 1e-2, 2.01, 10.0)], 360.0) == \
@@ -134,8 +134,13 @@ def test_the_report_checks_both_targets_from_the_rows(tmp_path):
     assert "Zero-shot, the starting model: ROUGE-L 30.00, test loss 2.100 on 160 examples" in text
     assert (tmp_path / "instruction_b360.png").is_file()
     assert "Targets:" in text and "provisional" not in text
-    assert ("The finals run zofed, the zofed variant with the lower validation loss after tuning; zofed-top2-cached "
+    assert ("The finals run zofed, the zofed variant with the lowest validation loss after tuning; zofed-top2-cached "
             "is priced by its tuning runs alone") in text
+    start = protocol.make_config("zofed-start", 0, 360.0, (None, 0, 0), tmp_path / "s", (1e-2, 10.0), "tune")
+    assert start.federation.server_optimizer.relative_to == "start" and start.federation.rounds == 15
+    both = [*rows, _tuned("zofed-start", 1e-2, 2.1)]
+    assert ("zofed-top2-cached, zofed-start are priced by their tuning runs alone (their finals run when `--rows` "
+            "names them)") in report.finals_scope_lines(both, 360.0, "zofed", protocol.final_rows(both, 360.0))[0]
     # a row the finals run that has no final yet keeps the verdict provisional, though every row shown has 3 seeds
     partial = [r for r in rows if r["row"] != "decomfl" or r.get("phase") == "tune"]
     lines = report.target_lines(report.settings(partial)[(360.0, 160, 128, 64)], "zofed",

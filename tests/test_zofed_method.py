@@ -129,9 +129,10 @@ def test_uplink_bytes_do_not_depend_on_the_model():
 
 @pytest.mark.parametrize("name", ["adam", "yogi", "amsgrad"])
 @pytest.mark.parametrize("granularity", ["coordinate", "tensor", "global"])
-@pytest.mark.parametrize("relative", [False, True])
+@pytest.mark.parametrize("relative", [False, "current", "start"])
 def test_server_optimizer_state_restores_to_a_bit_identical_continuation(name, granularity, relative):
-    opt = ServerOptimizer(name, lr=0.1, granularity=granularity, relative=relative)
+    opt = ServerOptimizer(name, lr=0.1, granularity=granularity, relative=bool(relative),
+                          relative_to=relative or "current")
     gen = torch.Generator().manual_seed(0)
     deltas = [[torch.randn(5, generator=gen), torch.randn(3, 2, generator=gen)] for _ in range(4)]
     a = [torch.ones(5), torch.full((3, 2), 0.05)]
@@ -299,6 +300,28 @@ def test_relative_steps_move_each_tensor_in_proportion_to_its_own_scale():
     assert float(zero[0].abs().mean()) == pytest.approx(1e-2, rel=1e-3)
     with pytest.raises(ValueError, match="relative steps need an adaptive"):
         ServerOptimizer("sgd", relative=True)
+
+
+def test_steps_relative_to_the_start_do_not_grow_with_the_tensor():
+    """Measured against the current RMS a tensor that earlier rounds tripled takes a step three times as long, and
+    a LoRA B grown past its A steps by its own scale; measured against the run's start both keep the step they
+    started with (B: its A's starting scale). The option needs relative steps."""
+    d = [torch.tensor([1.0, -1.0, 1.0, -1.0]), torch.tensor([1.0, 1.0, -1.0, -1.0])]
+    moved = {}
+    for anchor in ("current", "start"):
+        opt = ServerOptimizer("adam", lr=1e-2, granularity="tensor", relative=True, relative_to=anchor)
+        start = [torch.full((4,), 0.02), torch.zeros(4)]  # LoRA's A and B as a run starts them
+        state = opt.init(start)
+        grown = [3 * start[0], torch.full((4,), 1.0)]  # the same tensors after rounds of noise
+        before = [x.clone() for x in grown]
+        opt.apply(grown, state.clone(), d)
+        moved[anchor] = [float((x - b).abs().mean()) for x, b in zip(grown, before, strict=True)]
+    assert moved["current"] == pytest.approx([6e-4, 1e-2], rel=1e-3)
+    assert moved["start"] == pytest.approx([2e-4, 2e-4], rel=1e-3)
+    with pytest.raises(ValueError, match="needs relative steps"):
+        ServerOptimizer("adam", relative_to="start")
+    with pytest.raises(ValueError, match="relative_to must be one of"):
+        ServerOptimizer("adam", relative=True, relative_to="initial")
 
 
 def test_a_warm_started_server_round_moves_the_probed_blocks_by_less_than_full_steps():

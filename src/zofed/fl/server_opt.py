@@ -11,7 +11,8 @@ operation:
                   amsgrad: v as adam, vhat <- max(vhat, v), and vhat divides
                   num, den = m, sqrt(v) + tau
     trust ratio   scale <- scale * max(rms(x), r0)            (a layer-wise trust ratio, as in LAMB; r0: the
-                                                              smallest RMS of a nonzero trainable tensor)
+                                                              smallest RMS of a nonzero trainable tensor; x the
+                                                              tensor now, or as the run started it)
     schedule      scale <- scale * lr_t                      (constant, or a cosine to zero over R rounds)
     then          x <- x + scale * num / den
 
@@ -48,6 +49,7 @@ import torch
 from zofed.zo.optim import OptState
 
 GRANULARITIES = ("coordinate", "tensor", "global")
+RELATIVE_ANCHORS = ("current", "start")  # the RMS a relative step is measured against
 Buffers = dict[str, list[torch.Tensor]]
 
 
@@ -134,18 +136,29 @@ class Moments:
         return out
 
 
+def _rms(tensors: Sequence[torch.Tensor]) -> list[float]:
+    return [float(t.double().pow(2).mean().sqrt()) for t in tensors]
+
+
 @dataclass(frozen=True)
 class TrustRatio:
-    """Scales each tensor's step by the tensor's own root mean square, floored at the smallest RMS of a nonzero
-    trainable tensor (1 when every tensor is zero)."""
+    """Scales each tensor's step by the tensor's root mean square, floored at the smallest RMS of a nonzero
+    trainable tensor (1 when every tensor is zero): its RMS now (`current`, LAMB's ratio), or the RMS it started
+    the run with (`start`, kept in the state). A step in proportion to the current RMS compounds: a tensor that
+    noise has grown takes larger steps, which grow it faster (a LoRA B that passed its A's scale grew about 20%
+    a round in the instruction benchmark); a step against the starting scale does not grow with the tensor."""
 
+    anchor: str = "current"  # current or start
     extras: frozenset[str] = frozenset()
 
     def init(self, tensors: Sequence[torch.Tensor]) -> Buffers:
-        return {}
+        if self.anchor == "current":
+            return {}
+        return {"start_rms": [t.new_full((1,), r, dtype=torch.float64) for t, r in zip(tensors, _rms(tensors),
+                                                                                          strict=True)]}
 
     def update(self, steps, buffers, tensors, step, extras):
-        rms = [float(t.double().pow(2).mean().sqrt()) for t in tensors]
+        rms = _rms(tensors) if self.anchor == "current" else [float(r) for r in buffers["start_rms"]]
         floor = min((r for r in rms if r > 0), default=1.0)
         for s, r in zip(steps, rms, strict=True):
             s.scale *= max(r, floor)
@@ -219,7 +232,8 @@ def _sgd(lr: float, decay_rounds: int = 0, **_: Any) -> tuple[Piece, ...]:
 def _adaptive(rule: str) -> Callable[..., tuple[Piece, ...]]:
     def build(lr: float, decay_rounds: int = 0, granularity: str = "coordinate", beta1: float = 0.9,
               beta2: float = 0.99, tau: float = 1e-6, warm_start: bool = False, relative: bool = False,
-              beta1_start: float | None = None, ramp_rounds: int = 0) -> tuple[Piece, ...]:
+              relative_to: str = "current", beta1_start: float | None = None,
+              ramp_rounds: int = 0) -> tuple[Piece, ...]:
         if granularity not in GRANULARITIES:
             raise ValueError(f"unknown server optimizer granularity {granularity!r}; choose {', '.join(GRANULARITIES)}")
         if warm_start and granularity != "tensor":  # the expected energy is known per tensor
@@ -229,7 +243,7 @@ def _adaptive(rule: str) -> Callable[..., tuple[Piece, ...]]:
         if beta1_start is not None and ramp_rounds < 1:
             raise ValueError(f"a beta1 ramp needs a number of rounds to rise over, not {ramp_rounds}")
         moments = Moments(rule, granularity, beta1, beta2, tau, warm_start, beta1_start, ramp_rounds)
-        return (moments, *((TrustRatio(),) if relative else ()), Schedule(lr, decay_rounds))
+        return (moments, *((TrustRatio(relative_to),) if relative else ()), Schedule(lr, decay_rounds))
 
     return build
 
@@ -255,11 +269,16 @@ SERVER_OPTIMIZERS: dict[str, Kind] = {
 
 
 def make_server_optimizer(name: str = "sgd", lr: float | None = None, *, decay_rounds: int = 0,
-                          relative: bool = False, warm_start: bool = False, **moments: Any) -> ServerOptimizer:
+                          relative: bool = False, relative_to: str = "current", warm_start: bool = False,
+                          **moments: Any) -> ServerOptimizer:
     """Build a registered server optimizer by name (lr None: its default); settings that do not go together
     raise a ValueError saying why."""
     if name not in SERVER_OPTIMIZERS:
         raise ValueError(f"unknown server optimizer {name!r}; choose one of {', '.join(SERVER_OPTIMIZERS)}")
+    if relative_to not in RELATIVE_ANCHORS:
+        raise ValueError(f"relative_to must be one of {', '.join(RELATIVE_ANCHORS)}, not {relative_to!r}")
+    if relative_to != "current" and not relative:
+        raise ValueError(f"relative_to {relative_to} sets the scale of relative steps: it needs relative steps")
     kind = SERVER_OPTIMIZERS[name]
     if decay_rounds < 0:
         raise ValueError(f"decay_rounds must be 0 (constant lr) or a number of rounds, not {decay_rounds}")
@@ -272,4 +291,5 @@ def make_server_optimizer(name: str = "sgd", lr: float | None = None, *, decay_r
         if moments.get("beta1_start") is not None:
             raise ValueError(f"a beta1 ramp needs an adaptive server optimizer (adam, yogi or amsgrad), not {name}")
         return ServerOptimizer(name, kind.build(lr, decay_rounds))
-    return ServerOptimizer(name, kind.build(lr, decay_rounds, relative=relative, warm_start=warm_start, **moments))
+    return ServerOptimizer(name, kind.build(lr, decay_rounds, relative=relative, relative_to=relative_to,
+                                            warm_start=warm_start, **moments))

@@ -31,6 +31,7 @@ class ServerOptimizerSection(_Section):
     tau: float = Field(1e-6, gt=0)
     warm_start: bool = False  # tensor-wise only: a tensor's v starts from its expected first-round energy
     relative: bool | None = None  # adaptive only: each tensor's step is lr times its own RMS (a LAMB-style trust ratio)
+    relative_to: Literal["current", "start"] = "current"  # that RMS now, or the tensor's at the start of the run
     decay: Literal["constant", "cosine"] = "constant"  # cosine: lr falls to zero over the run's federation.rounds
 
     def resolved(self, method: str, rounds: int) -> dict[str, Any]:
@@ -44,6 +45,8 @@ class ServerOptimizerSection(_Section):
         lr = self.lr if self.lr is not None else (default.lr if same_step else SERVER_OPTIMIZERS[name].default_lr)
         settings = {"name": name, "lr": lr, "decay_rounds": rounds if self.decay == "cosine" else 0,
                     "relative": relative, "warm_start": self.warm_start}
+        if self.relative_to != "current":  # the settings of runs made before the option stay as they were
+            settings["relative_to"] = self.relative_to
         if SERVER_OPTIMIZERS[name].adaptive:
             settings.update(granularity=self.granularity or default.granularity, beta1=self.beta1, beta2=self.beta2,
                             tau=self.tau)
