@@ -35,8 +35,9 @@ ROWS: dict[str, str | None] = {ZERO_SHOT: None, "zofed": "zofed", "zo-seeds": "z
 TOP_BLOCKS, TOP_QUERIES = 2, 4
 # zofed-start: zofed whose relative server step is measured against each tensor's RMS at the start of the run, not
 # its RMS now. In the zofed finals one LoRA B (seed 2: a v_proj's; seed 0: a q_proj's) passed its A's scale, from
-# then on stepped by its own RMS and grew about 20% a round (to RMS 0.58 and 0.82 against A's 0.024), and those two
-# seeds ended with a higher test loss than they started with; the starting scale keeps every step the length it began.
+# then on stepped by its own RMS and grew by about a fifth a round (to RMS 0.58 and 0.82 against A's 0.024), and
+# those two seeds ended with a higher test loss than they started with; the starting scale keeps each tensor's step
+# from growing with the tensor.
 ROW_OPTIONS: dict[str, list[str]] = {
     "zofed-top2-cached": [f"trainable.lora_layers={list(range(-TOP_BLOCKS, 0))}", "zo.prefix_cache=true",
                           f"zo.queries={TOP_QUERIES}"],
