@@ -24,6 +24,16 @@ def test_a_run_replays_from_its_log_bit_for_bit(tiny_workspace, tmp_path):
     assert shown.exit_code == 0, shown.output
     assert "replayed 3 rounds, 6 uplinks" in shown.output and "bit for bit" in shown.output
     assert head in shown.output.replace("\n", "")
+    traced = replay_run(out, trace=True)
+    assert traced.matches and [r.round for r in traced.trace] == [1, 2, 3]
+    steps = [r.step for r in traced.trace]
+    assert min(steps) > 0 and traced.trace[0].distance == pytest.approx(steps[0])
+    assert all(r.distance <= sum(steps[:i + 1]) * (1 + 1e-9) for i, r in enumerate(traced.trace))  # the triangle
+    last = traced.trace[-1]
+    assert last.largest_rms > last.largest_start_rms
+    assert replay_run(out).trace == ()  # no trace unless asked: the check alone copies nothing
+    shown = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["replay", str(out), "--trace"])
+    assert shown.exit_code == 0 and "grown the most" in shown.output and last.largest in shown.output
 
 
 def test_a_changed_log_is_caught(tiny_workspace, tmp_path):

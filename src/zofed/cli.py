@@ -298,15 +298,25 @@ def export(
 @app.command()
 def replay(
     run_dir: Annotated[Path, typer.Argument(help="a federated run directory written by zofed run")],
+    trace: Annotated[bool, typer.Option(help="also show how each round moved the model: the server step's "
+                                             "length, the distance from the start, the tensor grown the most")] = False,
 ) -> None:
     """Rebuild a federated run's final model from its uplink log alone (no data) and check it against final/."""
     from zofed.run.replay import replay_run
     from zofed.run.uplink_log import LogError
 
     try:
-        done = replay_run(run_dir)
+        done = replay_run(run_dir, trace=trace)
     except (*_user_errors(), LogError) as err:
         _fail(str(err))
+    if done.trace:
+        table = Table(title="how each round moved the model (the server's iterate)")
+        for column in ("round", "step", "from start", "grown the most", "its RMS (start → now)"):
+            table.add_column(column)
+        for r in done.trace:
+            table.add_row(str(r.round), f"{r.step:.4g}", f"{r.distance:.4g}", r.largest,
+                          f"{r.largest_start_rms:.3g} → {r.largest_rms:.3g}")
+        console.print(table)
     console.print(f"replayed {done.rounds} rounds, {done.uplinks} uplinks; log head {done.head}")
     if not done.matches:
         _fail(f"the replayed model differs from {done.final} (largest difference {done.max_abs_difference:.3g}): "

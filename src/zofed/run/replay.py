@@ -4,6 +4,10 @@ The replay reads no data and trains nothing: it rebuilds the starting trainable 
 config names (checked against the logged hash), then runs the server's side of every logged round, sampling,
 each client's state, validation of the logged uplinks, aggregation and the server step, exactly as the run's
 server did. The result is compared bit for bit with the run's `final/` tensors.
+
+With `trace`, the replay also records how each round moved the model (`RoundTrace`): the server step's length,
+the distance from the start, and the tensor that has grown the most. A run whose loss walked away shows there
+whether every tensor drifted or one ran away, without running a forward pass.
 """
 
 from __future__ import annotations
@@ -26,6 +30,18 @@ from zofed.run.uplink_log import LOG_NAME, LogError, read_log, tensors_sha256
 
 
 @dataclass(frozen=True)
+class RoundTrace:
+    """How one replayed round moved the server's iterate (norms over every trainable value)."""
+
+    round: int
+    step: float  # the length of this round's server step
+    distance: float  # the distance from the starting tensors after it
+    largest: str  # the tensor whose RMS grew the most since the start
+    largest_rms: float  # its RMS now
+    largest_start_rms: float  # and at the start
+
+
+@dataclass(frozen=True)
 class Replay:
     rounds: int
     uplinks: int
@@ -33,9 +49,27 @@ class Replay:
     matches: bool  # the replayed tensors equal final/ bit for bit
     max_abs_difference: float
     final: Path
+    trace: tuple[RoundTrace, ...] = ()
 
 
-def replay_run(run_dir: str | Path) -> Replay:
+def _norm(tensors: list[torch.Tensor]) -> float:
+    return sum(float(t.double().pow(2).sum()) for t in tensors) ** 0.5
+
+
+def _rms(tensor: torch.Tensor) -> float:
+    return float(tensor.double().pow(2).mean().sqrt())
+
+
+def _trace(round_id: int, names: list[str], start: list[torch.Tensor], before: list[torch.Tensor],
+           after: list[torch.Tensor]) -> RoundTrace:
+    growth = [_rms(a) - _rms(s) for a, s in zip(after, start, strict=True)]
+    i = max(range(len(names)), key=growth.__getitem__)
+    return RoundTrace(round_id, _norm([a - b for a, b in zip(after, before, strict=True)]),
+                      _norm([a - s for a, s in zip(after, start, strict=True)]), names[i], _rms(after[i]),
+                      _rms(start[i]))
+
+
+def replay_run(run_dir: str | Path, trace: bool = False) -> Replay:
     run_dir = Path(run_dir)
     header, rounds, head = read_log(run_dir / LOG_NAME)
     try:
@@ -62,8 +96,10 @@ def replay_run(run_dir: str | Path) -> Replay:
             raise LogError(f"{run_dir / LOG_NAME} holds a private run's uplinks before the server's noise (written "
                            "by a zofed that drew the noise from the run seed): it cannot be replayed")
         server.replaying_noised_log = True
-    count = 0
+    count, traced = 0, []
+    start = [t.clone() for t in server.tensors] if trace else []
     for logged in rounds:
+        before = [t.clone() for t in server.tensors] if trace else []
         round_id = logged.round - 1
         local = server.round_plan(round_id)
         sampled = set(server.sample(round_id))
@@ -79,6 +115,8 @@ def replay_run(run_dir: str | Path) -> Replay:
             raise LogError(f"round {logged.round}: logged uplinks the server refuses on replay: {inbox.rejected}")
         server.aggregate(local, inbox)
         count += len(logged.uplinks)
+        if trace:  # the iterate, not the tail average: the steps the server took
+            traced.append(_trace(logged.round, trainable.names, start, before, server.tensors))
     saved = load_file(str(final))
     replayed = {name: t.view_as(p) for name, t, p in zip(trainable.names, server.model_tensors(),
                                                           trainable.params, strict=True)}
@@ -86,4 +124,4 @@ def replay_run(run_dir: str | Path) -> Replay:
         raise LogError(f"final/ holds other tensors ({sorted(saved)[:3]}...) than the logged run trains")
     diff = max(float((saved[k].float() - replayed[k].float()).abs().max()) for k in saved) if saved else 0.0
     matches = all(torch.equal(saved[k], replayed[k].to(saved[k].dtype)) for k in saved)
-    return Replay(len(rounds), count, head, matches, diff, final)
+    return Replay(len(rounds), count, head, matches, diff, final, tuple(traced))
