@@ -144,9 +144,11 @@ def _rms(tensors: Sequence[torch.Tensor]) -> list[float]:
 class TrustRatio:
     """Scales each tensor's step by the tensor's root mean square, floored at the smallest RMS of a nonzero
     trainable tensor (1 when every tensor is zero): its RMS now (`current`, LAMB's ratio), or the RMS it started
-    the run with (`start`, kept in the state). A step in proportion to the current RMS compounds: a tensor that
-    noise has grown takes larger steps, which grow it faster (a LoRA B that passed its A's scale grew about 20%
-    a round in the instruction benchmark); a step against the starting scale does not grow with the tensor."""
+    the run with (`start`, kept in the state). Against the current RMS, LoRA's B tensors go two ways (zofed's
+    instruction finals): the few that moved in the first round keep the floor their A's set and then step by their
+    own growing RMS (one reached 0.82 against A's 0.024), while a B first moved later sets a tiny new floor for the
+    next, and the floor fell to 1e-17 within 15 rounds: 4 to 6 of the 60 B tensors ever passed an RMS of 1e-3.
+    Against the starting scale every B is measured against its A's, and no step grows with its tensor."""
 
     anchor: str = "current"  # current or start
     extras: frozenset[str] = frozenset()
