@@ -60,13 +60,12 @@ def _rms(tensor: torch.Tensor) -> float:
     return float(tensor.double().pow(2).mean().sqrt())
 
 
-def _trace(round_id: int, names: list[str], start: list[torch.Tensor], before: list[torch.Tensor],
-           after: list[torch.Tensor]) -> RoundTrace:
-    growth = [_rms(a) - _rms(s) for a, s in zip(after, start, strict=True)]
-    i = max(range(len(names)), key=growth.__getitem__)
+def _trace(round_id: int, names: list[str], start: list[torch.Tensor], start_rms: list[float],
+           before: list[torch.Tensor], after: list[torch.Tensor]) -> RoundTrace:
+    now = [_rms(a) for a in after]
+    i = max(range(len(names)), key=lambda k: now[k] - start_rms[k])
     return RoundTrace(round_id, _norm([a - b for a, b in zip(after, before, strict=True)]),
-                      _norm([a - s for a, s in zip(after, start, strict=True)]), names[i], _rms(after[i]),
-                      _rms(start[i]))
+                      _norm([a - s for a, s in zip(after, start, strict=True)]), names[i], now[i], start_rms[i])
 
 
 def replay_run(run_dir: str | Path, trace: bool = False) -> Replay:
@@ -98,6 +97,7 @@ def replay_run(run_dir: str | Path, trace: bool = False) -> Replay:
         server.replaying_noised_log = True
     count, traced = 0, []
     start = [t.clone() for t in server.tensors] if trace else []
+    start_rms = [_rms(t) for t in start]  # read each round against the trace's starting point
     for logged in rounds:
         before = [t.clone() for t in server.tensors] if trace else []
         round_id = logged.round - 1
@@ -116,7 +116,7 @@ def replay_run(run_dir: str | Path, trace: bool = False) -> Replay:
         server.aggregate(local, inbox)
         count += len(logged.uplinks)
         if trace:  # the iterate, not the tail average: the steps the server took
-            traced.append(_trace(logged.round, trainable.names, start, before, server.tensors))
+            traced.append(_trace(logged.round, trainable.names, start, start_rms, before, server.tensors))
     saved = load_file(str(final))
     replayed = {name: t.view_as(p) for name, t, p in zip(trainable.names, server.model_tensors(),
                                                           trainable.params, strict=True)}
