@@ -6,10 +6,13 @@ import json
 import numpy as np
 import pytest
 import torch
-from toy_federation import tiny_federated_config
+from toy_federation import tiny_federated_config, toy_clients, toy_context
 
-from zofed.fl.privacy import add_noise, client_noise, epsilon_spent, new_secret, server_noise
+from zofed.fl.plan import FederationPlan
+from zofed.fl.privacy import PUBLIC_EXAMPLES, add_noise, client_noise, epsilon_spent, new_secret, server_noise
 from zofed.fl.protocol import ClientUpdate, decode
+from zofed.fl.roles import ClientRole, ServerRole
+from zofed.fl.server import RoundInbox
 from zofed.run.config import ConfigError
 from zofed.run.federated import run_federated
 from zofed.run.replay import replay_run
@@ -119,3 +122,51 @@ def test_a_private_run_keeps_its_noise_secret_across_a_resume(tiny_workspace, tm
         finals.append(load_file(str(tmp_path / name / "final" / "trainable.safetensors")))
         assert replay_run(tmp_path / name).matches
     assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
+
+
+def _exact_values(update: ClientUpdate) -> list[bytes]:
+    """How an uplink's own train loss and example count would read in its encoded header."""
+    return [json.dumps(update.metrics["train_loss"]).encode(), f'"n":{update.num_examples}'.encode()]
+
+
+def test_a_local_dp_uplink_carries_no_exact_per_client_value():
+    """The accountant covers the noised numbers only: the uplink a local-DP client sends holds neither its train
+    loss nor its example count, only the public count every noised uplink carries."""
+    ctx = toy_context(mode="lora")
+    plan = FederationPlan("zo-seeds", 6, 3, 2, lr=1e-2, eps=1e-2, run_seed=4, batch_size=8)
+    server = ServerRole(plan, ctx.trainable.tensors(), ctx.trainable.masks, clip_norm=1.0, dp_noise=2.0,
+                        dp_at_clients=True)
+    local = server.round_plan(0)
+    downlink, indices = server.downlink(local, 2), toy_clients()[2]
+    honest = decode(ClientRole(ctx).train(downlink, 2, indices, 0))
+    assert honest.num_examples == len(indices) != PUBLIC_EXAMPLES and np.isfinite(honest.metrics["train_loss"])
+    sent = ClientRole(ctx, local_dp=(1.0, 2.0)).train(downlink, 2, indices, 0)
+    private = decode(sent)
+    assert private.metrics == {} and private.num_examples == PUBLIC_EXAMPLES
+    assert not any(value in sent for value in _exact_values(honest))
+    inbox = RoundInbox()  # and the server takes it as a valid uplink
+    server.receive(inbox, local, 2, sent)
+    assert len(inbox.accepted) == 1 and not inbox.rejected
+
+
+def test_a_central_dp_log_and_record_carry_no_exact_per_client_value(tiny_workspace, tmp_path):
+    """The log of a central-DP run reveals no more than the model: its uplinks hold no client's train loss or
+    example count (they are read from a plain run of the same seed, whose first round's uplinks are the same
+    clients' honest ones), and the round's record holds no train loss."""
+    def first_round(out, *extra):
+        run_federated(tiny_federated_config(tiny_workspace, out, "federation.method=zo-seeds",
+                                            "federation.rounds=1", *extra), show_progress=False)
+        record = next(r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+                      if r["event"] == "round")
+        return record, read_log(out / LOG_NAME)[1][0].uplinks
+
+    plain_record, plain = first_round(tmp_path / "plain")
+    private_record, private = first_round(tmp_path / "private", "federation.clip_norm=1.0",
+                                          "federation.dp_noise=2.0")
+    assert [c for c, _ in private] == [c for c, _ in plain] and len(plain) == 2
+    for (_, honest), (_, noised) in zip(plain, private, strict=True):
+        exact, logged = decode(honest), decode(noised)
+        assert exact.num_examples > 1 and "train_loss" in exact.metrics  # there was something to leak
+        assert logged.metrics == {} and logged.num_examples == PUBLIC_EXAMPLES
+        assert not any(value in noised for value in _exact_values(exact))
+    assert np.isfinite(plain_record["train_loss"]) and np.isnan(private_record["train_loss"])

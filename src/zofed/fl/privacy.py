@@ -13,6 +13,13 @@ N clients without replacement and applies the Gaussian mechanism to the round's 
 neighbours when one client's data is replaced by another's, so one client's numbers move by at most 2C, and the
 mechanism's noise multiplier is sigma / 2.
 
+The accountant covers the noised numbers and nothing else, so a noised uplink carries nothing else about its
+client: no metrics (the train loss), and the public example count `PUBLIC_EXAMPLES` in place of the client's own.
+The aggregate's example-weighted mean then weighs every client alike, a plain mean of the noised numbers: a
+function of them alone, so post-processing, where weights taken from the clients' counts would release those
+counts unnoised (and let one client's weight, not only its numbers, move the model). A round's record under DP
+has no train loss (NaN) for the same reason.
+
 Where the noise comes from decides whom the guarantee holds against. The run seed is no secret (the config and
 the uplink log carry it), so no noise is drawn from it:
 - central DP (`dp_at: server`): from a 128-bit secret the server draws when the run starts and keeps in its
@@ -27,6 +34,7 @@ the uplink log carry it), so no noise is drawn from it:
 from __future__ import annotations
 
 import secrets
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -35,12 +43,15 @@ from zofed import streams
 from zofed.fl.protocol import ClientUpdate
 
 SECRET_WORDS = 4  # the server's noise secret as 32-bit words (128 bits), how the checkpoint keeps it
+PUBLIC_EXAMPLES = 1  # the example count every noised uplink carries: the same for all, so it says nothing
 
 
 def add_noise(update: ClientUpdate, noise: float, clip_norm: float, rng: np.random.Generator) -> ClientUpdate:
-    """The (already clipped) uplink with N(0, (noise x clip_norm)^2) from `rng` added to each of its numbers."""
+    """The (already clipped) uplink with N(0, (noise x clip_norm)^2) from `rng` added to each of its numbers, and
+    nothing else of its client's: no metrics, and `PUBLIC_EXAMPLES` as its example count (see the module's note)."""
     values = update.numbers
-    return update.with_numbers(values + rng.normal(0.0, noise * clip_norm, size=values.shape))
+    noised = update.with_numbers(values + rng.normal(0.0, noise * clip_norm, size=values.shape))
+    return replace(noised, metrics={}, num_examples=PUBLIC_EXAMPLES)
 
 
 def new_secret() -> torch.Tensor:

@@ -79,7 +79,9 @@ def run_round(server: ServerRole, round_id: int, deliver: Deliver, *, min_accept
         inbox.rejected.extend((c, "the secure sum holding its scalars was refused") for c in sampled
                               if isinstance(replies.get(c), Summed))
         summed = 0
-    losses = [u.metrics["train_loss"] for u in inbox.accepted if "train_loss" in u.metrics]
+    # Under DP a client's train loss is no part of what the accountant covers: the record leaves it out (NaN)
+    losses = [] if server.dp_noise is not None else \
+        [u.metrics["train_loss"] for u in inbox.accepted if "train_loss" in u.metrics]
     per_client = server.method.forward_passes(local)
     record = {"round": round_id + 1, "clients": sampled, "accepted": len(inbox.accepted) + summed,
               "rejected": [{"client": c, "reason": r} for c, r in inbox.rejected],
