@@ -11,8 +11,10 @@ left out of the spread (the panel too, when no run has one) and its table cells 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import yaml
@@ -62,9 +64,44 @@ def load_run_summary(run_dir: Path) -> RunSummary:
                       [e[1] for e in evaluated], [float(e[2]) for e in evaluated], results)
 
 
-def _figure(runs: list[RunSummary], out: Path) -> None:
+def bytes_text(value: float) -> str:
+    """A byte count as a tick label: 120 B, 2 kB, 1.5 MB (decimal units)."""
+    for unit, name in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if value >= unit:
+            return f"{value / unit:.3g} {name}"
+    return f"{value:.3g} B"
+
+
+def _label_bytes(axis: Any) -> None:
+    """Byte labels on a log axis: the powers of ten, and when the view holds fewer than two (a short run's bytes
+    span less than a decade or two) the ticks between them too, 2x and 5x, or all of them on a view under 0.7 decades.
+    Unlabelled minor ticks would leave such an axis with no label at all."""
+    from matplotlib import rcParams
+    from matplotlib.ticker import Formatter
+
+    class BytesFormatter(Formatter):
+        def __call__(self, x: float, pos: int | None = None) -> str:
+            lo, hi = sorted(self.axis.get_view_interval())
+            if x <= 0 or lo <= 0:
+                return ""
+            exponent = math.floor(math.log10(x) + 1e-9)
+            coeff = round(x / 10.0 ** exponent)
+            powers = math.floor(math.log10(hi)) - math.ceil(math.log10(lo)) + 1  # powers of ten in view
+            if coeff == 1 or (powers < 2 and (coeff in (2, 5) or math.log10(hi / lo) < 0.7)):
+                return bytes_text(x)
+            return ""
+
+    axis.set_major_formatter(BytesFormatter())
+    axis.set_minor_formatter(BytesFormatter())
+    # minor ticks are shorter: pad their labels down to the major ones' line
+    sizes = {which: rcParams[f"xtick.{which}.size"] + rcParams[f"xtick.{which}.pad"] for which in ("major", "minor")}
+    axis.set_tick_params(which="minor", pad=rcParams["xtick.minor.pad"] + sizes["major"] - sizes["minor"])
+
+
+def figure(runs: list[RunSummary]) -> Any:
+    """The report's matplotlib Figure: the metric against rounds, against bytes sent, and its client spread."""
     from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator, NullFormatter
+    from matplotlib.ticker import MaxNLocator
 
     name = METRIC_NAMES[runs[0].metric]
     evaluated = [run for run in runs if run.clients]
@@ -78,7 +115,7 @@ def _figure(runs: list[RunSummary], out: Path) -> None:
     by_round.set(xlabel="round (0: the starting model)", ylabel=f"test {name} (fixed subset)",
                  title=f"{name} against rounds")
     by_bytes.set(xscale="log", xlabel="cumulative uplink bytes per client", title=f"{name} against bytes sent")
-    by_bytes.xaxis.set_minor_formatter(NullFormatter())  # minor labels on a log axis overlap
+    _label_bytes(by_bytes.xaxis)
     by_round.xaxis.set_major_locator(MaxNLocator(integer=True))
     if evaluated:
         (spread,) = spread_axes
@@ -90,7 +127,7 @@ def _figure(runs: list[RunSummary], out: Path) -> None:
             spread.set_xlabel(f"n/a (no client test examples): {', '.join(skipped)}", fontsize="small")
     by_round.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    return fig
 
 
 def _or_na(value: float | None) -> str:
@@ -122,7 +159,7 @@ def write_report(run_dirs: list[Path], out_dir: Path) -> tuple[Path, Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     png, md = out_dir / "report.png", out_dir / "report.md"
-    _figure(runs, png)
+    figure(runs).savefig(png, dpi=110)
     name = METRIC_NAMES[runs[0].metric]
     write_atomic_text(md, f"# zofed report\n\n![{name}, bytes, client spread]({png.name})\n\n{_markdown(runs)}")
     return png, md
