@@ -34,7 +34,8 @@ def _setup_logging() -> None:
 
 
 def _fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {escape(message)}")  # messages may hold brackets: zofed[flower]
+    # messages may hold brackets (zofed[flower]); soft wrap: one line the terminal wraps, whole when grepped
+    console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
     raise typer.Exit(code=2)
 
 
@@ -116,6 +117,7 @@ def run(
 
     CONFIG is a YAML config file (optional); --set overrides it and the other options override both.
     """
+    from zofed.fl.rounds import RoundFailed
     from zofed.run.config import load_config
     from zofed.run.federated import run_federated
     from zofed.run.federated_config import FederatedConfig
@@ -133,13 +135,30 @@ def run(
             results = _run_on_flower(cfg, resume)
         else:
             results = run_federated(cfg, resume=resume, console=console)
-    except _user_errors() as err:
+    except (*_user_errors(), RoundFailed) as err:
         _fail(str(err))
+    nothing = _nothing_accepted(Path(cfg.out_dir))
+    if nothing:
+        _fail(nothing)
     metric = results["client_metric"]  # the task's headline: accuracy, rougeL or loss
     console.print(_results_table("federated results", results, (
         f"eval_{metric}_start", f"eval_{metric}_final", f"client_{metric}_mean", f"client_{metric}_worst10",
         "bytes_up_per_client_round", "bytes_down_per_client_round", "forward_passes", "rejected_uplinks")))
     console.print(f"run directory: {cfg.out_dir} (metrics.jsonl/.csv, partition.png, results.json)")
+
+
+def _nothing_accepted(out: Path) -> str | None:
+    """Why a federated run that finished never moved its model: no round accepted an uplink (every client's
+    training failed, or every uplink was refused). None when some round did."""
+    from zofed.run.metrics import MetricsLog
+
+    rounds = [r for r in MetricsLog(out / "metrics.jsonl").read() if r.get("event") == "round"]
+    if not rounds or any(r["accepted"] for r in rounds):
+        return None
+    first = next((r["rejected"][0] for r in rounds if r["rejected"]), None)
+    reason = f" (the first refused: client {first['client']}, {first['reason']})" if first else ""
+    return (f"none of the {len(rounds)} rounds accepted an uplink, so the model never moved{reason}; every round's "
+            f"rejections are in {out / 'metrics.jsonl'}")
 
 
 def _trainable(cfg) -> str:

@@ -3,7 +3,9 @@
 It runs the same round as every other backend (fl/rounds.py), so everything that crosses the "wire" is really
 encoded and decoded: byte counts are measured, and validation runs as it would on a network. Per-client state
 is an index array into the shared encoded data and the method's small per-client state on the server. Client
-sampling, batches and seeds derive from (run seed, round, client, step): a run repeats bit for bit.
+sampling, batches and seeds derive from (run seed, round, client, step): a run repeats bit for bit. A client whose
+training raises (a non-finite loss, say) is its round's rejected uplink, `client_error` with the exception's first
+line, as on Flower; the round goes on with the others, and a round with none keeps the model.
 """
 
 from __future__ import annotations
@@ -16,9 +18,16 @@ import torch
 
 from zofed.fl.client import ClientContext
 from zofed.fl.roles import ClientRole, ServerRole
-from zofed.fl.rounds import run_round
+from zofed.fl.rounds import Failure, run_round
 
 Tamper = Callable[[int, int, bytes], bytes]  # (round, client, uplink bytes) -> bytes actually delivered
+
+
+def client_error_reason(err: Exception, limit: int = 300) -> str:
+    """A one-line reason for a client's failed round: the exception's type and the first line of its message."""
+    lines = str(err).strip().splitlines()
+    reason = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+    return reason if len(reason) <= limit else reason[: limit - 3] + "..."
 
 
 @dataclass
@@ -39,10 +48,14 @@ def simulate(ctx: ClientContext, client_indices: Sequence[np.ndarray], server: S
         raise ValueError(f"{len(client_indices)} clients hold data, the plan has {server.plan.num_clients}")
     client = client or ClientRole(ctx, server.plan.first_order_optimizer)
 
-    def deliver(round_id: int, downlinks: Sequence[tuple[int, bytes]]) -> dict[int, bytes]:
-        replies = {}
+    def deliver(round_id: int, downlinks: Sequence[tuple[int, bytes]]) -> dict[int, bytes | Failure]:
+        replies: dict[int, bytes | Failure] = {}
         for client_id, downlink in downlinks:
-            uplink = client.train(downlink, client_id, client_indices[client_id], round_id)
+            try:
+                uplink = client.train(downlink, client_id, client_indices[client_id], round_id)
+            except Exception as err:  # a client that fails is its round's rejection, as on Flower
+                replies[client_id] = Failure(f"client_error: {client_error_reason(err)}")
+                continue
             replies[client_id] = uplink if tamper is None else tamper(round_id, client_id, uplink)
         return replies
 
