@@ -8,13 +8,17 @@ pairs every row with its seed's reference). Rows:
 
 - `none`: no attack and no defense (the reference), and no attack under each defense (what a defense costs; these
   run when `--attacks` names `none`, as it does by default);
-- each attack (`sign-flip`, `scale` x100, `random`, `label-flip`, `stale`; fl/attacks.py) at 10% and 20% of the
-  clients, under each defense: `mean` (none), `clip` (federation.clip_norm), `trimmed-mean` (trim 0.2),
+- each attack (`sign-flip`, `scale` x100, `random`, `label-flip`, `stale`, `seed-grind`; fl/attacks.py) at 10%
+  and 20% of the clients, under each defense: `mean` (none), `clip` (federation.clip_norm), `trimmed-mean` (trim 0.2),
   `median`, `screen` (federation.screen_threshold 0.1 on 32 probe examples: each update's own loss change),
   `screen-loo` (threshold 0 on the leave-one-out score: what each update does to the round's mean),
   `screen-agree` (threshold 0 on the agreement score: minus the rank correlation of a client's scalars with the
   probe set's derivatives, the label head's common mode regressed out) and `clip+agree` (both), the last three
   only when named in `--defenses`;
+- `seed-grind` (clients that pick their own step seeds, honest scalars along directions of their choosing) is
+  refused by the server's seed check before any defense reads it: its rows should show every grinding uplink
+  refused for its `seeds` (each row's `refused_for`, from the run's uplink log, and the report's refusal lines) and
+  the accuracy of the honest clients alone; `--attacks seed-grind --defenses mean` runs just those rows;
 - differential privacy (federation.dp_noise with clip_norm) with the noise that spends epsilon 1, 3 and 8 at
   delta 1e-5 over the run's rounds (solved with the same accountant the run reports with).
 
@@ -51,7 +55,8 @@ from zofed.run.federated import run_federated
 from zofed.run.federated_config import FederatedConfig
 from zofed.run.uplink_log import LOG_NAME, read_log
 
-ATTACKS = ["sign-flip", "scale", "random", "label-flip", "stale"]
+ATTACKS = ["sign-flip", "scale", "random", "label-flip", "stale", "seed-grind"]
+REFUSED = ("stale", "seed-grind")  # attacks the server's checks refuse before any defense: the report counts why
 FRACTIONS = [0.1, 0.2]
 DEFENSES = {"mean": [], "clip": ["clip"], "trimmed-mean": ["federation.aggregator=trimmed-mean", "federation.trim=0.2"],
             "median": ["federation.aggregator=median"], "screen": ["federation.screen_threshold=0.1"],
@@ -88,6 +93,12 @@ def honest_norms(run_dir) -> np.ndarray:
     quantiles."""
     _, rounds, _ = read_log(run_dir / LOG_NAME)
     return np.array([float(np.linalg.norm(decode(data).grads)) for r in rounds for _, data in r.uplinks])
+
+
+def refusals(run_dir) -> dict[str, int]:
+    """How many uplinks the run refused, by reason code (wrong_round, seeds, screened, ...), from its uplink log."""
+    _, rounds, _ = read_log(run_dir / LOG_NAME)
+    return dict(Counter(reason.partition(":")[0] for r in rounds for _, reason in r.rejected))
 
 
 def honest_quantile(table: dict, key: str, quantile: float) -> float:
@@ -136,6 +147,7 @@ def run_one(dataset: str, row: str, attack: str, fraction: float, defense: str, 
             "final_accuracy": round(results["test"]["accuracy"], 4), "rounds": config.federation.rounds,
             "clip_norm": config.federation.clip_norm, "dp_noise": config.federation.dp_noise,
             "dp_epsilon": results.get("dp_epsilon"), "rejected_uplinks": results["rejected_uplinks"],
+            "refused_for": refusals(out),
             "run_dir": str(out.relative_to(ROOT)), "torch_threads": threads,
             **({"honest_norm_quantiles": {f"{q:g}": float(np.quantile(honest_norms(out), q)) for q in KEPT_QUANTILES}}
                if (attack, defense) == ("none", "mean") else {})}
@@ -207,6 +219,18 @@ def _one_defense_lines(cells: Cells) -> list[str]:
             + (f"; the others' worst: {others}" if others else "; no other defense has run in all those cases")]
 
 
+def _refusal_lines(rows: list[dict]) -> list[str]:
+    """For the attacks the server's checks refuse: the uplinks each row refused, by reason, and of how many sent
+    by attackers (rows from before `refused_for` was kept say nothing)."""
+    lines = []
+    for r in sorted((r for r in rows if r["attack"] in REFUSED and "refused_for" in r),
+                    key=lambda r: (ATTACKS.index(r["attack"]), r["fraction"], r["defense"], r["seed"])):
+        reasons = ", ".join(f"{n} for {reason}" for reason, n in sorted(r["refused_for"].items())) or "none"
+        lines.append(f"- {r['attack']} at {r['fraction']:.0%} under {r['defense']} (seed {r['seed']}): uplinks "
+                     f"refused {reasons}")
+    return lines
+
+
 def report_lines(rows: list[dict]) -> list[str]:
     """Per dataset and row: accuracy under each attack and defense, the points each loses against no attack (the
     mean over the seeds run, paired with the reference's, and their spread), the targets."""
@@ -240,6 +264,7 @@ def report_lines(rows: list[dict]) -> list[str]:
                          f"most 2: {'met' if lost <= 2 else 'missed'})"
                          + (f"; not judged, run on fewer of the mean's seeds: {', '.join(fewer)}" if fewer else ""))
         lines += _one_defense_lines(cells)
+        lines += _refusal_lines(ours)
         private = sorted((r for r in ours if r["defense"].startswith("dp-") and r["seed"] in cells.clean),
                          key=lambda r: (r["defense"].partition("@q")[2], r["dp_epsilon"], r["seed"]))
         if private:

@@ -105,3 +105,24 @@ def test_a_configured_attack_runs_and_bad_attack_settings_are_refused(tiny_works
                           "attack.scale is a setting of attack.kind scale")):
         with pytest.raises(ConfigError, match=message):
             tiny_federated_config(tiny_workspace, tmp_path / "bad", *bad)
+
+
+def test_a_seed_grinder_keeps_its_scalars_and_lists_seeds_that_push_its_target():
+    from zofed.fl.attacks import target_push
+    from zofed.fl.protocol import step_seeds
+    from zofed.zo.noise import NoiseSource
+
+    grads = np.random.default_rng(0).normal(size=(40, 2)).astype(np.float32)
+    update = ClientUpdate(2, 5, np.zeros(0, np.uint64), 9, grads, 10, {"train_loss": 1.0})
+    grind = Attack("seed-grind", frozenset({5}), seed=1)
+    lie = grind.tamper(update, 2, 5)
+    assert lie.base_seed is None and lie.seeds.shape == (40,) and np.array_equal(lie.grads, grads)
+    assert np.array_equal(lie.seeds, grind.tamper(update, 2, 5).seeds)  # seeded by (run, round, client)
+    source = NoiseSource("rademacher")
+    pushed = [target_push(source, int(s), g) for s, g in zip(lie.seeds, grads.tolist(), strict=True)]
+    honest = [target_push(source, int(s), g) for s, g in zip(step_seeds(update), grads.tolist(), strict=True)]
+    # each step's seed is the best of 16 for the target, the honest one a fair draw: the target moves far more
+    assert all(p > 0 for p in pushed) and sum(pushed) > 5 * abs(sum(honest)), (sum(pushed), sum(honest))
+    dense = ClientUpdate(2, 5, np.zeros(0, np.uint64), None, np.zeros((0, 1), np.float32), 10, {},
+                         dense=np.ones(3, np.float32))
+    assert grind.tamper(dense, 2, 5) is dense  # a dense uplink names no seeds to grind

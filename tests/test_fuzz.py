@@ -1,9 +1,11 @@
 """Fuzzing the wire: 10,000 random mutations of valid uplinks and of valid downlinks (bit flips, byte
 overwrites, truncations, splices of two messages, huge lengths, header edits). Each is refused with a reason or
-decodes to a message that passes validation; nothing else is ever raised, and a round fed mutated uplinks goes on."""
+decodes to a message that passes validation; nothing else is ever raised, and a round fed mutated uplinks goes on.
+Mutations of a valid uplink's seeds alone leave a well-formed message, which the server refuses for its seeds."""
 
 import json
 import struct
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ import torch
 
 from zofed.fl.plan import FederationPlan
 from zofed.fl.protocol import ClientUpdate, MessageError, ServerBroadcast, decode, encode, validate
+from zofed.fl.protocol import step_seeds as protocol_step_seeds
 from zofed.fl.roles import ServerRole
 from zofed.fl.server import RoundInbox
 from zofed.fl.server_opt import make_server_optimizer
@@ -119,3 +122,66 @@ def test_a_round_fed_mutated_uplinks_rejects_them_and_goes_on():
     server.aggregate(local, inbox)
     assert all(torch.isfinite(t).all() for t in server.tensors)
     assert any(float(t.abs().max()) > 0 for t in server.tensors)  # the honest uplinks moved the model
+
+
+SEED_MUTATIONS = 2_000
+
+
+def _mutate_seeds(update: ClientUpdate, rng: np.random.Generator) -> bytes:
+    """A valid uplink naming other step seeds than `update`'s: a changed base seed, changed listed seeds (in the
+    message or in its bytes), or the same seeds named the other way."""
+    steps = update.grads.shape[0]
+    action = int(rng.integers(5))
+    if action == 0:  # another base seed: near the right one, one bit off, or anywhere
+        right = update.base_seed if update.base_seed is not None else int(rng.integers(2**63))
+        other = int(rng.choice([right + 1, right - 1, right ^ (1 << int(rng.integers(64))), rng.integers(2**63)]))
+        return encode(replace(update, seeds=np.zeros(0, np.uint64), base_seed=other % 2**64))
+    if action == 1:  # the right seeds, named the other way
+        if update.base_seed is not None:
+            return encode(replace(update, seeds=protocol_step_seeds(update), base_seed=None))
+        return encode(replace(update, seeds=np.zeros(0, np.uint64), base_seed=int(update.seeds[0])))
+    listed = protocol_step_seeds(update)
+    if action == 2:  # some listed seeds replaced
+        at = rng.integers(0, steps, int(rng.integers(1, steps + 1)))
+        listed[at] = rng.integers(0, 2**63, len(at), dtype=np.uint64)
+    elif action == 3:  # the listed seeds in another order
+        listed = listed[rng.permutation(steps)]
+    data = bytearray(encode(replace(update, seeds=listed, base_seed=None)))
+    if action == 4:  # bits flipped in the seeds' bytes (the first array, right after the header)
+        start = PREFIX.size + PREFIX.unpack_from(data)[3]
+        for pos in rng.integers(start, start + 8 * steps, int(rng.integers(1, 4))):
+            data[pos] ^= 1 << int(rng.integers(8))
+    return bytes(data)
+
+
+@pytest.mark.parametrize("method", ["zo-seeds", "fedkseed", "zofed"])
+def test_every_mutation_of_a_valid_uplinks_seeds_is_refused_for_its_seeds(method):
+    plan = FederationPlan(method, 8, 8, 4, lr=0.1, eps=1e-2, run_seed=5, queries=2, pool_size=8)
+    server = ServerRole(plan, [torch.zeros(8), torch.zeros(8)], None, make_server_optimizer("sgd", 1.0))
+    local = server.round_plan(0)
+    rng = np.random.default_rng(11)
+    assigned = {}
+    for c in range(8):
+        seeds = server.method.step_seeds(local, c)
+        listed = np.asarray(seeds.seeds, np.uint64) if seeds.explicit else np.zeros(0, np.uint64)
+        assigned[c] = ClientUpdate(0, c, listed, seeds.base_seed, rng.normal(size=(4, 2)).astype(np.float32), 10, {})
+    honest = RoundInbox()
+    for c, update in assigned.items():
+        server.receive(honest, local, c, encode(update))
+    assert len(honest.accepted) == 8, honest.rejected
+    reasons: dict[str, int] = {}
+    tried = 0
+    for _ in range(SEED_MUTATIONS):
+        c = int(rng.integers(8))
+        data = _mutate_seeds(assigned[c], rng)
+        lie = decode(data)  # well-formed: only its seeds are wrong
+        if np.array_equal(protocol_step_seeds(lie), protocol_step_seeds(assigned[c])) and \
+                (lie.base_seed is None) == (assigned[c].base_seed is None):
+            continue  # a reordering of equal seeds, or a flip undone: the same uplink
+        inbox = RoundInbox()
+        server.receive(inbox, local, c, data)  # anything but MessageError escapes receive and fails the test
+        assert not inbox.accepted, (c, lie.base_seed, lie.seeds)
+        reason = inbox.rejected[0][1].partition(":")[0]
+        reasons[reason] = reasons.get(reason, 0) + 1
+        tried += 1
+    assert reasons == {"seeds": tried} and tried > SEED_MUTATIONS // 2

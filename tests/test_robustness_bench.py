@@ -107,3 +107,23 @@ def test_cells_with_several_seeds_show_the_mean_paired_loss_and_its_spread():
     assert "- sign-flip: the plain mean loses 7.0 points, ±4.2 over 2 seeds (loses at least 5: met); the best " \
            "defense, clip, loses 1.5 points, ±0.7 over 2 seeds (loses at most 2: met); not judged, run on fewer " \
            "of the mean's seeds: median" in text
+
+
+def test_seed_grinding_is_an_attack_row_and_the_report_says_why_its_uplinks_were_refused(tmp_path, monkeypatch):
+    assert "seed-grind" in robustness.ATTACKS
+    rows = [_row("none", 0.0, "mean", 0.78), _row("seed-grind", 0.2, "mean", 0.77, refused_for={"seeds": 40}),
+            _row("seed-grind", 0.2, "clip", 0.77, refused_for={"seeds": 40, "screened": 2}),
+            _row("seed-grind", 0.1, "mean", 0.78)]  # a row from before the reasons were kept: no line
+    text = "\n".join(robustness.report_lines(rows))
+    assert "| seed-grind | 20% | 0.7700 (-1.0) | 0.7700 (-1.0) |" in text
+    assert "- seed-grind at 20% under clip (seed 0): uplinks refused 2 for screened, 40 for seeds" in text
+    assert "- seed-grind at 20% under mean (seed 0): uplinks refused 40 for seeds" in text
+    assert "seed-grind at 10%" not in text
+    tuned = {"phase": "tune", "trainable": "head", "dataset": "agnews", "budget": 1000.0, "server_factor": 1.0}
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "ranking.json").write_text(__import__("json").dumps(
+        {"rows": {"a": {**tuned, "row": "zofed", "lr": 0.001, "final_accuracy": 0.78}}}))
+    monkeypatch.setattr(robustness, "RESULTS", results)
+    config = robustness.row_config("agnews", "zofed", "seed-grind", 0.2, "mean", 0, 1.5, tmp_path / "run")
+    assert (config.attack.kind, config.attack.fraction) == ("seed-grind", 0.2)

@@ -72,6 +72,9 @@ class WeightedMean:
         if not contributions:
             raise ValueError("no accepted client update to aggregate")
         total = sum(c.num_examples for c in contributions)
+        if total < 1:  # the server refuses an uplink of no examples: this is a caller's mistake, not a client's
+            raise ValueError(f"the weighted mean needs examples behind its updates; these {len(contributions)} "
+                             "contributions have no examples in all")
         mean = [torch.zeros_like(t) for t in like]
         ones = np.ones(len(like))
         # noise key -> (the perturbation without scales, seed -> coefficient per tensor), in first-use order

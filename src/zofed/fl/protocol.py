@@ -51,7 +51,8 @@ class MessageError(ValueError):
 
     Reasons: too_large, bad_magic, version, unknown_kind, truncated, trailing_bytes, bad_header (decoded
     header fields), bad_field (the same problems in an in-memory message), dtype, length_mismatch, shape,
-    non_finite, wrong_round, wrong_client.
+    non_finite, wrong_round, wrong_client; and from the server's check against the round (server.py): seeds
+    (not the step seeds the method assigned the client).
     """
 
     def __init__(self, reason: str, message: str) -> None:
@@ -164,6 +165,14 @@ def _wire_dtype(msg: Message, spec: _Array) -> str:
 
 def _itemsize(dtype: str) -> int:
     return int(dtype[2:])
+
+
+def uplink_max_bytes(steps: int, queries: int, dense_values: int | None = None) -> int:
+    """The most bytes a valid uplink of this round plan can take: the prefix, a header at its cap and the arrays at
+    their widest (`steps` listed seeds and float32 scalars, or `dense_values` float32 values and no scalars). A
+    receiver refuses anything longer before parsing it."""
+    arrays = 4 * dense_values if dense_values is not None else 8 * steps + 4 * steps * queries
+    return _PREFIX.size + MAX_HEADER_BYTES + arrays
 
 
 def message_nbytes(msg: Message) -> int:

@@ -112,8 +112,12 @@ class ServerRole:
         return encode(broadcast(local.round_id, self.tensors, local.to_config(), self.send_state(local, client_id)))
 
     def receive(self, inbox: RoundInbox, local: LocalTraining, client_id: int, data: bytes) -> None:
+        """Check one uplink against this round and the step seeds the method assigned `client_id` (server.py);
+        a refused one is recorded in `inbox` with its reason."""
         accepted = len(inbox.accepted)
-        receive(inbox, data, local.round_id, client_id, local, self.num_trainable, self.method.dense_uplink)
+        dense = self.method.dense_uplink
+        seeds = None if dense else self.method.step_seeds(local, client_id)
+        receive(inbox, data, local.round_id, client_id, local, self.num_trainable, dense, seeds)
         if len(inbox.accepted) > accepted:
             self.received.append((client_id, bytes(data)))
 

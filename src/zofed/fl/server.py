@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from zofed.fl.methods.base import Method, step_records
+from zofed.fl.methods.base import Method, StepSeeds, step_records
 from zofed.fl.plan import LocalTraining
-from zofed.fl.protocol import ClientUpdate, MessageError, ServerBroadcast, decode
+from zofed.fl.protocol import ClientUpdate, MessageError, ServerBroadcast, decode, uplink_max_bytes
 from zofed.zo.perturb import Perturbation
 from zofed.zo.step import StepRecord
 
@@ -28,32 +28,61 @@ class RoundInbox:
 
 
 def receive(inbox: RoundInbox, data: bytes, round_id: int, client_id: int, local: LocalTraining,
-            num_trainable: int, dense: bool) -> None:
-    """Decode and check one uplink against what this round asked for (`dense`: the method uploads dense
-    updates); a bad one is recorded, never raised."""
+            num_trainable: int, dense: bool, seeds: StepSeeds | None) -> None:
+    """Decode and check one uplink against what this round asked of this client (`dense`: the method uploads
+    dense updates; `seeds`: the step seeds it assigned the client, None for a dense uplink); a bad one is
+    recorded, never raised."""
     inbox.bytes_up.append(len(data))
     try:
-        update = decode(data, expect_round=round_id, expect_client=client_id, max_bytes=64 * 2**20 + 8 * num_trainable)
-        _check_against_round(update, local, num_trainable, dense)
+        # the plan says how large the uplink can be: anything larger is refused before any parsing
+        bound = uplink_max_bytes(local.local_steps, local.queries, num_trainable if dense else None)
+        update = decode(data, expect_round=round_id, expect_client=client_id, max_bytes=bound)
+        _check_against_round(update, local, num_trainable, dense, seeds)
     except MessageError as err:
         inbox.rejected.append((client_id, f"{err.reason}: {err}"))
         return
     inbox.accepted.append(update)
 
 
-def _check_against_round(update: ClientUpdate, local: LocalTraining, num_trainable: int, dense: bool) -> None:
+def _check_against_round(update: ClientUpdate, local: LocalTraining, num_trainable: int, dense: bool,
+                         seeds: StepSeeds | None) -> None:
     if (update.dense is not None) != dense:
         raise MessageError("shape", f"{local.method} uploads {'a dense update' if dense else 'seeds and scalars'}, "
                                     f"this uplink {'a dense update' if update.dense is not None else 'scalars'}")
+    if update.num_examples < 1:  # every uplink is weighted by it: none may weigh nothing
+        raise MessageError("bad_field", "num_examples must be at least 1")
     if update.dense is not None:
         if update.dense.size != num_trainable:
             raise MessageError("shape", f"dense update has {update.dense.size} values, the model {num_trainable}")
+        if update.base_seed is not None or update.seeds.size:
+            raise MessageError("seeds", f"{local.method} uploads a dense update, which names no step seeds")
+        if update.grads.size:
+            raise MessageError("shape", f"a dense update carries no scalars, this one {update.grads.size}")
         return
     if update.grads.shape != (local.local_steps, local.queries):
         raise MessageError("shape", f"grads shape {update.grads.shape}, round asked for "
                                     f"{(local.local_steps, local.queries)}")
-    if update.num_examples < 1:
-        raise MessageError("bad_field", "num_examples must be at least 1")
+    if seeds is None:
+        raise TypeError("a seed-and-scalar uplink is checked against the seeds its method assigned the client")
+    _check_seeds(update, local, seeds)
+
+
+def _check_seeds(update: ClientUpdate, local: LocalTraining, assigned: StepSeeds) -> None:
+    """The uplink must name exactly the step seeds the method assigned this client, the way the method names them:
+    a client that picks its own seeds chooses its directions (grinding seeds towards an attack, a seed outside
+    FedKSeed's pool, zofed's block through the seed)."""
+    if assigned.explicit:
+        if update.base_seed is not None:
+            raise MessageError("seeds", f"{local.method} lists each step's seed; this uplink names a base seed")
+        differ = np.flatnonzero(update.seeds != np.asarray(assigned.seeds, np.uint64))
+        if differ.size:
+            raise MessageError("seeds", f"{differ.size} of {update.seeds.size} step seeds are not the ones assigned "
+                                        f"to this client (the first at step {int(differ[0])})")
+    elif update.base_seed is None:
+        raise MessageError("seeds", f"{local.method} names the steps' seeds by their base seed; this uplink lists "
+                                    f"{update.seeds.size} seeds")
+    elif update.base_seed != assigned.base_seed:
+        raise MessageError("seeds", f"base seed {update.base_seed} is not the one assigned to this client")
 
 
 ClientSteps = Iterator[tuple[StepRecord, Perturbation]]  # a seed-and-scalar uplink's steps, each with its directions
