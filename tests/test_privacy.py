@@ -170,3 +170,4 @@ def test_a_central_dp_log_and_record_carry_no_exact_per_client_value(tiny_worksp
         assert logged.metrics == {} and logged.num_examples == PUBLIC_EXAMPLES
         assert not any(value in noised for value in _exact_values(exact))
     assert np.isfinite(plain_record["train_loss"]) and np.isnan(private_record["train_loss"])
+    assert "clipped" not in private_record  # which clients' numbers were over the clip norm is theirs too

@@ -18,7 +18,7 @@ client: no metrics (the train loss), and the public example count `PUBLIC_EXAMPL
 The aggregate's example-weighted mean then weighs every client alike, a plain mean of the noised numbers: a
 function of them alone, so post-processing, where weights taken from the clients' counts would release those
 counts unnoised (and let one client's weight, not only its numbers, move the model). A round's record under DP
-has no train loss (NaN) for the same reason.
+has no train loss (NaN), nor the number of uplinks the server clipped, for the same reason.
 
 Where the noise comes from decides whom the guarantee holds against. The run seed is no secret (the config and
 the uplink log carry it), so no noise is drawn from it:

@@ -99,7 +99,7 @@ def run_round(server: ServerRole, round_id: int, deliver: Deliver, *, min_accept
         raise RoundFailed(f"round {round_id + 1}: {len(inbox.accepted) + summed} of {len(sampled)} sampled clients "
                           f"gave a usable uplink, fewer than the {min_accepted} the round needs ({reasons})", record)
     server.aggregate(local, inbox)
-    if server.clip_norm is not None:
+    if server.clip_norm is not None and server.dp_noise is None:  # under DP, whose norms were over C is unaccounted
         record["clipped"] = server.last_clipped
     if server.dp_noise is not None:  # the privacy spent so far, for the delta the run set
         plan = server.plan
