@@ -28,6 +28,7 @@ from zofed.fl.methods.base import Directions
 from zofed.fl.pooled import PooledTerms
 from zofed.fl.protocol import ClientUpdate
 from zofed.zo.perturb import Perturbation, add_directions_, add_seed_rows_
+from zofed.zo.reduce import l2_norm
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,7 @@ def clip_update(update: ClientUpdate, bound: float) -> tuple[ClientUpdate, bool]
     """The uplink with its numbers scaled down to an L2 norm of at most `bound` (the scalars of a seed-and-scalar
     uplink, the update of a dense one), and whether it had to be: one client then moves the round at most so far."""
     values = update.numbers
-    norm = float(np.linalg.norm(values.astype(np.float64)))
+    norm = l2_norm(values)  # a fixed order (zo/reduce.py): a client under local DP and the server agree
     if norm <= bound:
         return update, False
     return update.with_numbers(values * np.float32(bound / norm)), True

@@ -35,6 +35,9 @@ round that never gets it anywhere. It is measured against the smallest scale amo
 (LoRA's A) until it outgrows it; a tensor at or above that floor keeps its own RMS, so sets without zero tensors
 step exactly as without the floor. Only when every tensor is zero does lr become absolute. The cosine
 schedule shrinks a normalized step that would otherwise keep its length when the update is mostly noise.
+
+Every mean square and RMS of the chain is taken by zo/reduce.py, in a fixed order: the step is the same bits at any
+thread count, so `zofed replay` on a machine with another number of cores rebuilds the run's model exactly.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from typing import Any, Protocol
 import torch
 
 from zofed.zo.optim import OptState
+from zofed.zo.reduce import mean_square, rms, sum_squares
 
 GRANULARITIES = ("coordinate", "tensor", "global")
 RELATIVE_ANCHORS = ("current", "start")  # the RMS a relative step is measured against
@@ -110,7 +114,7 @@ class Moments:
         expected = extras.get("expected_square") if self.warm_start else None
         if self.granularity == "global":  # one mean square over every value, the same in each tensor's slot
             total = sum(s.num.numel() for s in steps)
-            shared = sum(float(s.num.double().pow(2).sum()) for s in steps) / max(total, 1)
+            shared = sum(sum_squares(s.num) for s in steps) / max(total, 1)
         beta1 = self.beta1_at(step)
         out = []
         for i, s in enumerate(steps):
@@ -124,7 +128,7 @@ class Moments:
             if self.granularity == "coordinate":
                 d2 = d * d
             elif self.granularity == "tensor":
-                d2 = (d * d).mean().reshape(1)
+                d2 = v.new_full((1,), mean_square(d))
             else:
                 d2 = v.new_full((1,), shared)
             if self.rule == "yogi":
@@ -137,7 +141,7 @@ class Moments:
 
 
 def _rms(tensors: Sequence[torch.Tensor]) -> list[float]:
-    return [float(t.double().pow(2).mean().sqrt()) for t in tensors]
+    return [rms(t) for t in tensors]
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,10 @@ def replay_run(run_dir: str | Path, trace: bool = False) -> Replay:
         config = FederatedConfig.model_validate(yaml.safe_load(header["config"]))
     except Exception as err:  # noqa: BLE001 - a header whose config does not load is a bad log, whatever the cause
         raise LogError(f"{run_dir / LOG_NAME}: the logged config does not load ({err})") from None
+    if config.zo.precondition == "features":  # see zo/feature_scale.py
+        raise ConfigError("zofed replay cannot rebuild a zo.precondition=features run: its noise weights come from "
+                          "forward passes whose sums depend on the device, BLAS and thread count, so a replay "
+                          "would not perturb along the run's exact directions")
     final = run_dir / "final" / "trainable.safetensors"
     if not final.is_file():
         raise ConfigError(f"{run_dir} has no final/trainable.safetensors to check a replay against: the run has "

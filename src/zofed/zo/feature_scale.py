@@ -20,6 +20,10 @@ the massive channels make a linear head's loss steep along a few of its 576 colu
 anything else keeps flat noise. Within a tensor the shape is median-relative, clipped to [1/32, 4] (a dead
 channel is not given a huge step) and scaled to a mean square of 1, so eps and each tensor's noise energy keep
 their meaning.
+
+The shape is not bit-exact across machines: the passes' matrix products sum in an order that depends on the
+device, the BLAS and the thread count (a tiny model measured at 1, 3 and 7 threads gave other last bits in a
+quarter of its tensors). So `zofed replay`, which would measure it again, refuses a run with such noise.
 """
 
 from __future__ import annotations

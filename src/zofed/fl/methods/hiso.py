@@ -29,6 +29,7 @@ from zofed.fl.plan import LocalTraining
 from zofed.fl.pooled import RoundSteps, StepBlocks
 from zofed.fl.protocol import ClientUpdate
 from zofed.zo.perturb import Perturbation
+from zofed.zo.reduce import rms
 
 if TYPE_CHECKING:
     from zofed.fl.roles import ServerRole
@@ -48,7 +49,7 @@ class SecondMoment:
     def precondition(self) -> np.ndarray:
         """p = K^-1/2 normalized to unit root mean square, flat float32 (what the downlink carries)."""
         inv = torch.cat([t.clamp_min(FLOOR).rsqrt() for t in self.k]).double()
-        return (inv / inv.square().mean().sqrt()).float().cpu().numpy()
+        return (inv / rms(inv)).float().cpu().numpy()  # a fixed-order RMS: the same p at any thread count
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
         return {f"k.{i}": t.contiguous() for i, t in enumerate(self.k)}
