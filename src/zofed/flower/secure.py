@@ -10,8 +10,9 @@ quantization of SecAgg+ (a step of 2 x `flower.secagg_range` / 2^22 on each scal
 
 What travels in the clear: each client's id, example count and train loss, and its uplink's header with the
 scalars zeroed (so the server can check the round, the seeds and the shapes). Under local DP the uplink already
-holds no train loss and the public example count 1 (fl/privacy.py), so neither says anything of the client. A scalar outside
-+-`flower.secagg_range` is clipped to it by the client, counted in the round record's `secagg_clipped`.
+holds no train loss and the public example count 1 (fl/privacy.py), so neither says anything of the client. A
+scalar outside +-`flower.secagg_range` is clipped to it by the client, counted in the round record's
+`secagg_clipped`.
 """
 
 from __future__ import annotations
