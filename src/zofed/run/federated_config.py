@@ -233,7 +233,7 @@ class AttackSection(_Section):
     """Clients that lie (fl/attacks.py), to measure the server's defenses: a seeded share of the clients attacks
     whenever it is sampled."""
 
-    kind: AttackKind = "none"  # sign-flip, scale, random, label-flip, stale
+    kind: AttackKind = "none"  # sign-flip, scale, random, label-flip, stale, seed-grind
     fraction: float = Field(0.0, ge=0, le=1)  # share of the clients that attack, rounded up
     scale: float = Field(100.0, gt=0)  # kind scale: the factor on the attackers' scalars
 
