@@ -92,7 +92,7 @@ class ServerRole:
         self.num_trainable = sum(t.numel() for t in self.tensors)
         self.method_state = self.method.init_state(self)
         self._sent: dict[int, np.ndarray] = {}  # each client's server state this round, for its rebuild
-        self._steps: tuple[Sequence[ClientUpdate], int, dict, RoundSteps] | None = None  # the round as arrays
+        self._steps: tuple[list, RoundSteps] | None = None  # the round as arrays, and the objects they are of
         self.last_seconds: dict[str, float] = {}  # the last aggregate's time by phase (rebuild, observe, optimizer)
 
     def round_plan(self, round_id: int) -> LocalTraining:
@@ -135,10 +135,13 @@ class ServerRole:
     def round_steps(self, accepted: Sequence[ClientUpdate], sent: dict[int, np.ndarray]) -> RoundSteps:
         """The round's seed-and-scalar uplinks as arrays, built once per `aggregate`: the pooled mean and the
         method's `observe` both read them."""
-        cached = self._steps  # kept with the objects it was built from (and the length: an inbox may still grow)
-        if cached is None or cached[0] is not accepted or cached[1] != len(accepted) or cached[2] is not sent:
-            self._steps = cached = (accepted, len(accepted), sent, RoundSteps.of(accepted, sent))
-        return cached[3]
+        # Keyed on each uplink object and the state it was sent, not on the list: clipping and screening replace
+        # the list's items in place (a clipped uplink is a new object), and an inbox may still grow.
+        key = [*accepted, *(sent.get(u.client_id) for u in accepted)]
+        cached = self._steps
+        if cached is None or len(cached[0]) != len(key) or any(a is not b for a, b in zip(cached[0], key, strict=True)):
+            self._steps = cached = (key, RoundSteps.of(accepted, sent))
+        return cached[1]
 
     def pooled_terms(self, local: LocalTraining, accepted: Sequence[ClientUpdate]) -> PooledTerms | None:
         """The round pooled per (seed, tensor) on arrays, when the aggregator takes it (`update_pooled`) and the
