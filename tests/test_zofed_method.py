@@ -362,10 +362,11 @@ def test_momentum_tilted_steps_are_rebuilt_exactly_from_the_momentum_sent():
     round_plan = server.round_plan(2)
     assert round_plan.tilt == 0.5
     start = [t.clone() for t in server.tensors]
-    state = decode(server.downlink(round_plan, 4)).server_state
+    # client 5: with these streams client 4's three steps draw the same blocks tilted or not
+    state = decode(server.downlink(round_plan, 5)).server_state
     tilt = MomentumTilt.from_flat(state[len(start):], start, 0.5)
     assert max(float(b.abs().max()) for b in tilt.buffers) > 0
-    update, final = run_client(ctx, start, 4, toy_clients()[4], round_plan, state)
+    update, final = run_client(ctx, start, 5, toy_clients()[5], round_plan, state)
     rebuilt = torch.cat([r.reshape(-1) for r in rebuild(start, update, round_plan, state)])
     actual = torch.cat([(f - s).reshape(-1) for f, s in zip(final, start, strict=True)])
     untilted = torch.cat([r.reshape(-1) for r in rebuild(start, update, replace(round_plan, tilt=0.0),

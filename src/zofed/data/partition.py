@@ -1,8 +1,8 @@
 """Split one data set among federated clients: IID, label skew, pathological, quantity skew, natural groups.
 
-Every scheme is deterministic: the only randomness is ``numpy.random.default_rng`` seeded from the config,
-so the same config and data always give the same clients. A partition is a list of sorted index arrays
-into the data set, one per client, disjoint and covering every example; configurations that cannot give
+Every scheme is deterministic: the only randomness is the partition's streams (``zofed.streams``), seeded from
+``partition.seed``, so the same config and data always give the same clients. A partition is a list of sorted
+index arrays into the data set, one per client, disjoint and covering every example; configurations that cannot give
 each client at least ``min_size`` examples raise :class:`PartitionError` saying what to change.
 """
 
@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from zofed import streams
 
 from .sources import TextDataset
 
@@ -90,7 +92,7 @@ def partition(data: TextDataset, config: PartitionConfig) -> list[np.ndarray]:
                 f"{data.name}: {n} examples cannot give {config.num_clients} clients at least "
                 f"min_size={config.min_size} each; lower num_clients or min_size"
             )
-        rng = np.random.default_rng(config.seed)
+        rng = streams.partition(config.seed)
         if config.scheme == "iid":
             parts = np.array_split(rng.permutation(n), config.num_clients)
         elif config.scheme == "dirichlet":
@@ -251,8 +253,7 @@ def client_splits(data: TextDataset, config: PartitionConfig) -> list[ClientSpli
             n_test = max(n_test, 1)
         n_test = min(n_test, n - 1)
         # A stream per client: a client's split does not change when other clients' sizes do.
-        rng = np.random.default_rng(np.random.SeedSequence(config.seed, spawn_key=(client,)))
-        perm = rng.permutation(part)
+        perm = streams.client_test_split(config.seed, client).permutation(part)
         splits.append(ClientSplit(client, train=np.sort(perm[n_test:]), test=np.sort(perm[:n_test])))
     return splits
 

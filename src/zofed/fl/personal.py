@@ -31,7 +31,6 @@ import numpy as np
 import torch
 
 from zofed import streams
-from zofed.zo.noise import derive_seed
 from zofed.zo.perturb import Perturbation
 
 
@@ -220,7 +219,7 @@ def stack_distributions(states: Sequence[np.ndarray], num_blocks: int) -> np.nda
 def _block_uniform(step_seed: int) -> float:
     """The uniform number behind a step's block draw (cached: the server draws each step's block again, and
     clients that share a round's seeds all draw with the same number)."""
-    return float(np.random.default_rng(derive_seed(step_seed, streams.BLOCK_DRAW)).random())
+    return float(streams.block_draw(step_seed).random())
 
 
 def draw_blocks(step_seeds: Sequence[int], pi: np.ndarray) -> list[int]:

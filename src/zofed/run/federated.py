@@ -25,6 +25,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from zofed import streams
 from zofed.data.generation import showing_generation
 from zofed.data.partition import ClientSplit, client_splits, format_summary, plot_partition, summarize
 from zofed.fl.aggregate import make_aggregator
@@ -50,8 +51,7 @@ def client_eval_indices(split: ClientSplit, cap: int | None, seed: int) -> np.nd
     """The held-out examples a client is evaluated on: all of them, or a seeded sample of `cap` (sorted)."""
     if cap is None or len(split.test) <= cap:
         return split.test
-    rng = np.random.default_rng([seed, split.client_id])
-    return np.sort(rng.choice(split.test, size=cap, replace=False))
+    return np.sort(streams.client_eval(seed, split.client_id).choice(split.test, size=cap, replace=False))
 
 
 def per_client_metric(setup: Setup, held_out: list[np.ndarray], batch_size: int) -> tuple[str, list[float]]:
