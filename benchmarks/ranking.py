@@ -107,7 +107,7 @@ def warm_features(pending: list[tuple], threads: int) -> None:
         for name, data, order in [("evaluated split", setup.test, by_length(setup.test)),
                                   ("clients' examples", setup.train, by_length(setup.train, clients))]:
             for start in range(0, len(order), WARM_CHUNK):
-                setup.task.remembered_features(data, order[start:start + WARM_CHUNK], config.train.eval_batch_size)
+                setup.task.remembered_features(data, order[start:start + WARM_CHUNK])
                 setup.task.save_remembered()  # a chunk at a time: an interrupted warm-up keeps what it ran
                 print(f"features of {dataset} seed {seed} ({phase}): {name} "
                       f"{min(start + WARM_CHUNK, len(order))}/{len(order)}", flush=True)

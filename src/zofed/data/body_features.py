@@ -26,6 +26,9 @@ from safetensors.torch import save_file
 from zofed.zo.prefix import PrefixCache
 
 KEY_BYTES = 16
+# In a store file's name: rows computed each alone (see lookup). Stores of rows computed in padded batches, whose
+# last bits depended on the batch, carry no such mark and are left unread.
+ROWS_ALONE = "alone"
 
 
 def example_key(ids: Sequence[int] | np.ndarray) -> bytes:
@@ -59,7 +62,7 @@ class BodyFeatures:
         self.device = next(cache.backbone.parameters()).device
         self.rows: dict[bytes, int] = {}
         self.features: list[torch.Tensor] = []  # one row each, in the order of `rows`
-        self.store = None if store is None else Path(store) / f"{model_fingerprint}.safetensors"
+        self.store = None if store is None else Path(store) / f"{model_fingerprint}.{ROWS_ALONE}.safetensors"
         self.computed = 0  # examples this memo ran through the body (the rest were remembered or loaded)
         self._saved = 0  # rows already in the store file when last loaded or saved
         if self.store is not None and self.store.exists():
@@ -75,19 +78,19 @@ class BodyFeatures:
                 self.rows[key] = len(self.features)
                 self.features.append(row.to(self.device))
 
-    def lookup(self, ids: Sequence[Sequence[int]], compute: Callable[[list[int]], torch.Tensor]) -> torch.Tensor:
-        """The features of the examples `ids` (token ids each); `compute(positions)` gives those of the examples at
-        `positions` not seen before (rows x hidden), in that order."""
+    def lookup(self, ids: Sequence[Sequence[int]], compute: Callable[[Sequence[int]], torch.Tensor]) -> torch.Tensor:
+        """The features of the examples `ids` (token ids each); `compute(example_ids)` gives one unseen example's
+        row (hidden), computed from that example alone.
+
+        Alone, at its own length: a row computed inside a padded batch differs in its last bits from the same row
+        computed alone (the reductions run over other shapes, and BLAS does not promise equal-length batches keep
+        a row's bits either), so a row remembered from whichever batch first met it would make a resumed run, or
+        one reading a warm store, differ from an uninterrupted one."""
         keys = [example_key(row) for row in ids]
-        missing, pending = [], set()  # the first position of each unseen key (a batch may repeat an example)
-        for i, key in enumerate(keys):
-            if key not in self.rows and key not in pending:
-                pending.add(key)
-                missing.append(i)
-        if missing:
-            fresh = compute(missing)
-            self._add([keys[i] for i in missing], fresh.detach())
-            self.computed += len(missing)
+        for key, row in zip(keys, ids, strict=True):
+            if key not in self.rows:  # a batch may repeat an example: the first computes it
+                self._add([key], compute(row).detach()[None])
+                self.computed += 1
         return torch.stack([self.features[self.rows[k]] for k in keys])
 
     def save(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -259,24 +259,22 @@ class PromptClassification(Task):
         self._body = memo
         self._body_in_training = memo is not None and in_training
 
-    def remembered_features(self, data: Encoded, order: np.ndarray, batch_size: int) -> torch.Tensor:
-        """The body features of `data`'s examples `order`, running only those not seen before."""
-        order = np.asarray(order)
-        return self._body.lookup([data.input_ids[i] for i in order],
-                                 lambda fresh: self._run_body(self._body.cache, data, order[fresh], batch_size))
+    def remembered_features(self, data: Encoded, order: np.ndarray) -> torch.Tensor:
+        """The body features of `data`'s examples `order`, running only those not seen before (each alone)."""
+        return self._body.lookup([data.input_ids[i] for i in np.asarray(order)], self._features_alone)
 
     def _batch_features(self, batch: Batch) -> torch.Tensor:
         """The body features of a batch's rows, running only the rows not seen before."""
         lengths = batch.attention_mask.sum(1).tolist()
         ids = [row[:n] for row, n in zip(batch.input_ids.tolist(), lengths, strict=True)]
+        return self._body.lookup(ids, self._features_alone)
 
-        def run(fresh: list[int]) -> torch.Tensor:
-            pick = torch.as_tensor(fresh, device=batch.input_ids.device)
-            width = max(lengths[i] for i in fresh)
-            sub = Batch(batch.input_ids[pick, :width], batch.attention_mask[pick, :width], batch.labels[pick])
-            return self._capture_last(self._body.cache, sub)
-
-        return self._body.lookup(ids, run)
+    def _features_alone(self, ids: Sequence[int]) -> torch.Tensor:
+        """One example's body features (hidden), run alone with no padding: the row a memo remembers must be a
+        function of the example only, not of the batch that first met it (BodyFeatures.lookup)."""
+        input_ids = torch.as_tensor([list(ids)], dtype=torch.long, device=self._body.device)
+        alone = Batch(input_ids, torch.ones_like(input_ids), torch.zeros(1, dtype=torch.long, device=input_ids.device))
+        return self._capture_last(self._body.cache, alone)[0]
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, data: Encoded, batch_size: int = 32,
@@ -286,7 +284,7 @@ class PromptClassification(Task):
         order = by_length(data, indices)
         if not order.size:
             return {"accuracy": 0.0, "loss": 0.0}
-        logits = self.feature_logits(model, self._body.cache, self.remembered_features(data, order, batch_size))
+        logits = self.feature_logits(model, self._body.cache, self.remembered_features(data, order))
         labels = torch.as_tensor(data.labels[order], device=logits.device)
         return {"accuracy": int((logits.argmax(-1) == labels).sum()) / order.size,
                 "loss": float(F.cross_entropy(logits, labels, reduction="sum")) / order.size}
@@ -342,7 +340,7 @@ class PromptClassification(Task):
             raise ValueError(f"cached features need every block frozen; the trainable tensors start at block "
                              f"{cache.start} of {len(cache.layers)}")
         if self._body_in_training:
-            return self.remembered_features(data, indices, batch_size)
+            return self.remembered_features(data, indices)
         return self._run_body(cache, data, indices, batch_size)
 
     def _run_body(self, cache: PrefixCache, data: Encoded, indices: np.ndarray, batch_size: int) -> torch.Tensor:
