@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from zofed.data.builtin import shared_data_dir
-from zofed.run.checkpoint import find_checkpoint
+from zofed.run.checkpoint import find_checkpoint, write_atomic_text
 from zofed.run.config import load_config
 from zofed.run.finetune import finetune
 from zofed.run.metrics import MetricsLog
@@ -51,7 +51,7 @@ def main() -> None:
     else:
         zero_shot = setup.task.evaluate(setup.model, setup.test, config.train.eval_batch_size)
         Path(config.out_dir).mkdir(parents=True, exist_ok=True)
-        zero_shot_file.write_text(json.dumps(zero_shot))
+        write_atomic_text(zero_shot_file, json.dumps(zero_shot))
     print(f"zero-shot test accuracy {zero_shot['accuracy']:.4f} on {len(setup.test)} examples", flush=True)
     results = finetune(config, resume=resume, show_progress=sys.stderr.isatty(), setup=setup)
     records = MetricsLog(Path(config.out_dir) / "metrics.jsonl").read()
@@ -72,7 +72,7 @@ def main() -> None:
     path = RESULTS / "centralized_sst2.json"
     table = json.loads(path.read_text()) if path.is_file() else {}
     table[tag] = row
-    path.write_text(json.dumps(table, indent=2))
+    write_atomic_text(path, json.dumps(table, indent=2))
     lines = ["# Centralized ZO fine-tuning, SmolLM2-135M on SST-2", "",
              "Full SST-2 test split (1,821 examples). Reproduce: `make bench-centralized`.", "",
              "| run | trainable | optimizer | lr | eps | steps | batch | seed | zero-shot | after ZO "
@@ -83,7 +83,7 @@ def main() -> None:
                      f"{r['optimizer']['name']} ({r['optimizer']['schedule']}) | {r['optimizer']['lr']} | "
                      f"{r['zo']['eps']} | {r['steps']} | {r['batch_size']} | {r['seed']} | "
                      f"{r['zero_shot_accuracy']:.4f} | **{r['final_accuracy']:.4f}** | {r['forward_passes']} |")
-    (RESULTS / "centralized_sst2.md").write_text("\n".join(lines) + "\n")
+    write_atomic_text(RESULTS / "centralized_sst2.md", "\n".join(lines) + "\n")
     print(json.dumps({k: row[k] for k in ("tag", "zero_shot_accuracy", "final_accuracy", "steps")}))
 
 

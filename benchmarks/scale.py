@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from zofed.run.checkpoint import write_atomic_text
+
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 SETTINGS = {"model": "minilm-l6", "trainable": "lora (query, value) + classifier", "data": "tweets, iid split",
             "method": "zo-seeds", "clients_per_round": 5, "local_steps": 2, "rounds": 3, "batch_size": 16}
@@ -195,7 +197,7 @@ def main() -> None:
         results["aggregation"] = aggregation_part(args.clients, args.trainable)
     results["machine"] = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2))
+    write_atomic_text(path, json.dumps(results, indent=2))
     lines = ["# The engine and the server at scale", "",
              f"machine: {results['machine']['machine']}, torch {results['machine']['torch']}. "
              "Reproduce: `make bench-scale`.", ""]
@@ -203,7 +205,7 @@ def main() -> None:
         lines += population_lines(results["population"]) + [""]
     if "aggregation" in results:
         lines += aggregation_lines(results["aggregation"]) + [""]
-    (RESULTS / "scale.md").write_text("\n".join(lines))
+    write_atomic_text(RESULTS / "scale.md", "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from zofed.data.tasks import Encoded, TaskConfig, make_task
 from zofed.models.placement import DTYPES, place_model, resolve_device
 from zofed.models.registry import load_model
 from zofed.models.selection import TrainableConfig, select_trainable
+from zofed.run.checkpoint import write_atomic_text
 from zofed.zo.optim import make_optimizer
 from zofed.zo.perturb import Perturbation
 from zofed.zo.step import zo_step
@@ -189,7 +190,7 @@ def _bold(value) -> str:
 
 def write_results(results: dict, stem: str) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{stem}.json").write_text(json.dumps(results, indent=2))
+    write_atomic_text(RESULTS / f"{stem}.json", json.dumps(results, indent=2))
     meta = results["meta"]
     head = ("| model | trainable | frozen dtype | noise | impl | batch x seq | trainable params | two forwards (s) | "
             "ZO step (s) | step / two forwards | inference peak (MiB) | ZO peak (MiB) | ZO / inference memory | "
@@ -210,7 +211,7 @@ def write_results(results: dict, stem: str) -> None:
                   "| trainable | seeds | cosine | relative error | fp32 RMS | bf16 RMS |", "|---|---|---|---|---|---|"]
         lines += [f"| {f['trainable']} | {f['seeds']} | **{f['cosine']}** | {f['relative_error']} | {f['fp32_rms']} "
                   f"| {f['bf16_rms']} |" for f in results["fidelity"]]
-    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    write_atomic_text(RESULTS / f"{stem}.md", "\n".join(lines) + "\n")
 
 
 def main() -> None:

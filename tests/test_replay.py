@@ -1,6 +1,7 @@
 """The uplink log and `zofed replay`: a federated run's final model rebuilt from its log alone, bit for bit, a
 changed log caught, and a resumed run's log cut back to its checkpoint."""
 
+import hashlib
 import json
 
 import pytest
@@ -8,8 +9,10 @@ from toy_federation import tiny_federated_config
 from typer.testing import CliRunner
 
 from zofed.cli import app
+from zofed.run.config import ConfigError
 from zofed.run.federated import run_federated
 from zofed.run.replay import replay_run
+from zofed.run.stored_config import dump_config
 from zofed.run.uplink_log import LOG_NAME, LogError, read_log
 
 
@@ -100,3 +103,60 @@ def test_steps_relative_to_the_start_resume_and_replay_bit_for_bit(tiny_workspac
     run_federated(tiny_federated_config(tiny_workspace, current), show_progress=False)
     assert (current / "final" / "trainable.safetensors").read_bytes() != \
         (straight / "final" / "trainable.safetensors").read_bytes()
+
+
+def test_the_log_head_printed_by_zofed_run_anchors_the_replay(tiny_workspace, tmp_path):
+    """The hash chain alone can be rewritten by whoever edits the run directory; the head `zofed run` prints, kept
+    elsewhere, cannot: `zofed replay --expect` fails, naming both hashes, on a log rewritten to a valid chain."""
+    out, config = tmp_path / "run", tmp_path / "run.yaml"
+    dump_config(tiny_federated_config(tiny_workspace, out, "federation.method=zo-seeds"), config)
+    runner = CliRunner(env={"COLUMNS": "80"})
+    shown = runner.invoke(app, ["run", str(config)])
+    assert shown.exit_code == 0, shown.output
+    head = json.loads((out / "results.json").read_text())["uplink_log_head"]
+    assert head == read_log(out / LOG_NAME)[2] and f"uplink log head: {head}\n" in shown.output
+    for expect in (head, head[:32].upper()):  # the full hash, or a prefix of 32 hex digits
+        shown = runner.invoke(app, ["replay", str(out), "--expect", expect])
+        assert shown.exit_code == 0 and "ends in the expected head" in shown.output, shown.output
+    # a forger drops a client from round 2 and rewrites every later link: the chain checks, the head moved
+    lines = (out / LOG_NAME).read_text().splitlines()
+    rewritten = [lines[0], lines[1]]
+    for number, line in enumerate(lines[2:], start=2):
+        record = json.loads(line)
+        record["prev"] = hashlib.sha256(rewritten[-1].encode()).hexdigest()
+        if number == 2:
+            record["uplinks"] = record["uplinks"][:1]
+        rewritten.append(json.dumps(record, sort_keys=True, separators=(",", ":")))
+    (out / LOG_NAME).write_text("\n".join(rewritten) + "\n")
+    forged = read_log(out / LOG_NAME)[2]
+    shown = runner.invoke(app, ["replay", str(out), "--expect", head])
+    assert shown.exit_code == 2
+    failure = " ".join(shown.output.split())  # one message, however the terminal wraps it
+    assert f"has head {forged}, not the expected {head}" in failure
+    shown = runner.invoke(app, ["replay", str(out), "--expect", head[:12]])
+    assert shown.exit_code == 2 and "at least 32" in shown.output
+    shown = runner.invoke(app, ["replay", str(out), "--expect", "not-a-hash"])
+    assert shown.exit_code == 2 and "not a SHA-256 hash" in shown.output
+
+
+def test_a_resume_refuses_a_log_shorter_than_its_checkpoint(tiny_workspace, tmp_path):
+    """A log cut or deleted after its rounds were written is not silently dropped: the resume stops, saying how to
+    go on without it."""
+    out = tmp_path / "run"
+    run_federated(tiny_federated_config(tiny_workspace, out, "federation.rounds=2"), show_progress=False)
+    lines = (out / LOG_NAME).read_text().splitlines()
+    (out / LOG_NAME).write_text("\n".join(lines[:2]) + "\n")  # the header and round 1 of 2
+    with pytest.raises(ConfigError, match=r"uplinks.jsonl holds 1 of the 2 rounds the checkpoint holds.*"
+                                          r"federation.log_uplinks=false"):
+        run_federated(tiny_federated_config(tiny_workspace, out), resume=True, show_progress=False)
+    assert (out / LOG_NAME).read_text().splitlines() == lines[:2]  # left as found
+    (out / LOG_NAME).unlink()
+    with pytest.raises(ConfigError, match="uplinks.jsonl is missing or empty and holds none of the 2 rounds"):
+        run_federated(tiny_federated_config(tiny_workspace, out), resume=True, show_progress=False)
+    (out / LOG_NAME).write_text("\n".join([lines[0], lines[1].replace('"round":1', '"round":7'), lines[2]]) + "\n")
+    with pytest.raises(ConfigError, match="line 2"):  # the rounds it keeps must check, too
+        run_federated(tiny_federated_config(tiny_workspace, out, "federation.rounds=2"), resume=True,
+                      show_progress=False)
+    results = run_federated(tiny_federated_config(tiny_workspace, out, "federation.log_uplinks=false"),
+                            resume=True, show_progress=False)  # the way on, said out loud
+    assert results["rounds"] == 3 and results["uplink_log_head"] is None

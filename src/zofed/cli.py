@@ -145,6 +145,9 @@ def run(
         f"eval_{metric}_start", f"eval_{metric}_final", f"client_{metric}_mean", f"client_{metric}_worst10",
         "bytes_up_per_client_round", "bytes_down_per_client_round", "forward_passes", "rejected_uplinks")))
     console.print(f"run directory: {cfg.out_dir} (metrics.jsonl/.csv, partition.png, results.json)")
+    if results.get("uplink_log_head"):  # an anchor for the log outside the run directory
+        console.print(f"uplink log head: {results['uplink_log_head']}\n  keep it elsewhere; `zofed replay "
+                      f"{cfg.out_dir} --expect HEAD` checks the log against it", highlight=False, soft_wrap=True)
 
 
 def _nothing_accepted(out: Path) -> str | None:
@@ -319,13 +322,20 @@ def replay(
     run_dir: Annotated[Path, typer.Argument(help="a federated run directory written by zofed run")],
     trace: Annotated[bool, typer.Option(help="also show how each round moved the model: the server step's "
                                              "length, the distance from the start, the tensor grown the most")] = False,
+    expect: Annotated[str | None, typer.Option(
+        metavar="HASH", help="the log head `zofed run` printed (results.json's uplink_log_head), kept outside the "
+                             "run directory: the replay fails unless the log ends in it. The full SHA-256 or a "
+                             "prefix of at least 32 hex digits")] = None,
 ) -> None:
-    """Rebuild a federated run's final model from its uplink log alone (no data) and check it against final/."""
+    """Rebuild a federated run's final model from its uplink log alone (no data) and check it against final/.
+
+    Whoever can edit the run directory can rewrite the log's hash chain from any line on; --expect checks the
+    log against a head kept elsewhere."""
     from zofed.run.replay import replay_run
     from zofed.run.uplink_log import LogError
 
     try:
-        done = replay_run(run_dir, trace=trace)
+        done = replay_run(run_dir, trace=trace, expect=expect)
     except (*_user_errors(), LogError) as err:
         _fail(str(err))
     if done.trace:
@@ -340,7 +350,8 @@ def replay(
     if not done.matches:
         _fail(f"the replayed model differs from {done.final} (largest difference {done.max_abs_difference:.3g}): "
               "the log does not describe this model")
-    console.print(f"the replayed model equals {done.final} bit for bit")
+    console.print(f"the replayed model equals {done.final} bit for bit"
+                  + (", and the log ends in the expected head" if expect is not None else ""))
 
 
 @app.command()

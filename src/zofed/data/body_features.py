@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
+from zofed.run.checkpoint import write_atomic_text
 from zofed.zo.prefix import PrefixCache
 
 KEY_BYTES = 16
@@ -103,9 +103,8 @@ class BodyFeatures:
             if self.store.exists():  # another run may have added rows since
                 self._add(*_read(self.store))
             keys = torch.frombuffer(bytearray(b"".join(self.rows)), dtype=torch.uint8).view(-1, KEY_BYTES)
-            tmp = self.store.with_suffix(f".tmp{os.getpid()}")
-            save_file({"keys": keys, "features": torch.stack(self.features).cpu().contiguous()}, str(tmp))
-            tmp.replace(self.store)
+            features = torch.stack(self.features).cpu().contiguous()
+            write_atomic_text(self.store, save({"keys": keys, "features": features}))
             self._saved = len(self.rows)
 
 

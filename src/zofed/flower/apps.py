@@ -49,7 +49,8 @@ def make_server_app(config: Any = None, *, resume: bool = False, console: Any = 
             with run.progress(out, show_progress) as on_round:
                 connect = serve(grid, run, _reported(on_round, out, quiet=show_progress))
             results = run.finish(time.perf_counter() - t0, backend="flower", flower_connect_seconds=connect)
-            out.print(f"zofed run finished: test {results['test']}, rejected uplinks {results['rejected_uplinks']}")
+            out.print(f"zofed run finished: test {results['test']}, rejected uplinks {results['rejected_uplinks']}"
+                      f", uplink log head {results['uplink_log_head']}")  # to keep outside the run directory
             if outcome is not None:
                 outcome["results"] = results
         except BaseException as err:

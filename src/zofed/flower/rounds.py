@@ -86,8 +86,8 @@ def connect_clients(grid: Grid, num_clients: int, node_timeout: float) -> dict[i
 
 
 def flower_round(grid: Grid, run: FederatedRun, round_id: int, client_node: dict[int, int]) -> dict:
-    """One round over the grid (the shared `run_round`, delivering over Flower); aggregates, evaluates and
-    checkpoints; returns the round's metrics record."""
+    """One round over the grid (the shared `run_round`, delivering over Flower); aggregates and evaluates;
+    returns the round's metrics record (`serve` writes it, then the checkpoint)."""
     timeout = run.config.flower.reply_timeout
     counts = {"client_errors": 0, "missing": 0}
     flower_up: list[int] = []
@@ -148,7 +148,6 @@ def flower_round(grid: Grid, run: FederatedRun, round_id: int, client_node: dict
     record = flower_fields(record)
     load_tensors_(run.setup.trainable.tensors(), run.server.model_tensors())  # the model evaluated and saved
     record.update(run.evaluate(round_id + 1))
-    run.checkpoint(round_id + 1, run.server)
     return record
 
 
@@ -160,5 +159,6 @@ def serve(grid: Grid, run: FederatedRun, on_round: Callable[[dict], None]) -> fl
     connect_seconds = time.perf_counter() - t0
     log.info("%d SuperNodes hold the %d partitions (%.1f s)", len(client_node), len(run.splits), connect_seconds)
     for round_id in range(run.start_round, run.config.federation.rounds):
-        on_round(flower_round(grid, run, round_id, client_node))
+        on_round(flower_round(grid, run, round_id, client_node))  # the round's records first,
+        run.checkpoint(round_id + 1, run.server)  # then its checkpoint: a resume cuts the records back to it
     return connect_seconds

@@ -1,10 +1,13 @@
-"""Atomic checkpoints: a directory is written beside the old one and swapped in with renames, so a crash
-at any moment leaves either the previous or the new checkpoint intact, never a half-written one."""
+"""Atomic writes. A file is replaced whole (`write_atomic_text`) and a checkpoint directory is written beside the
+old one and swapped in with renames, each flushed to disk before the rename that publishes it: a crash or a power
+cut at any moment leaves the previous or the new version intact, never a half-written one. An append-only log
+(`append_line`) flushes each line before it returns."""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 from pathlib import Path
 from typing import Any
@@ -13,10 +16,55 @@ import torch
 from safetensors.torch import load_file, save_file
 
 
-def write_atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def fsync_directory(directory: Path) -> None:
+    """Flush `directory`'s entries to disk: a rename is durable only once its directory is."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic_text(path: Path, data: str | bytes) -> None:
+    """Replace `path` with `data` (text is written as UTF-8): the project's one way to replace a file.
+
+    The data goes to a temporary file of this writer's own in the same directory (two writers never share one;
+    the last rename wins), is flushed to disk, then renamed over `path`, and the directory is flushed: readers
+    and a crash see the old file or the new one, never part of one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for a plain write
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_directory(path.parent)
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append one line to `path` and flush it to disk before returning: a record written is a record kept. A
+    kill in the middle leaves at most a torn last line, which its reader drops."""
+    path = Path(path)
+    created = not path.exists()
+    with path.open("a", encoding="utf-8") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    if created:
+        fsync_directory(path.parent)
 
 
 def save_checkpoint(directory: Path, tensors: dict[str, dict[str, torch.Tensor]], meta: dict[str, Any]) -> None:
@@ -28,11 +76,13 @@ def save_checkpoint(directory: Path, tensors: dict[str, dict[str, torch.Tensor]]
     tmp.mkdir(parents=True)
     for stem, named in tensors.items():
         save_file({k: v.contiguous() for k, v in named.items()}, str(tmp / f"{stem}.safetensors"))
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        _fsync_file(tmp / f"{stem}.safetensors")
+    write_atomic_text(tmp / "meta.json", json.dumps(meta, indent=2))  # flushes tmp/ with it
     if directory.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.replace(directory, old)
     os.replace(tmp, directory)
+    fsync_directory(directory.parent)  # the new checkpoint is in place before the old one goes
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -43,7 +43,7 @@ from zofed.run.metrics import CLIENT_LISTS, MetricsLog
 from zofed.run.screening import probe_loss_screen
 from zofed.run.setup import Setup, build, eval_indices, save_final
 from zofed.run.stored_config import check_resumed_config, config_yaml, dump_config, with_prompt_format
-from zofed.run.uplink_log import LOG_NAME, UplinkLog
+from zofed.run.uplink_log import LOG_NAME, LogError, UplinkLog
 from zofed.sim.engine import simulate
 
 
@@ -134,17 +134,21 @@ class FederatedRun:
                                                           self.config.train.eval_batch_size, self.watch)
         self.metrics.write({"step": 0, "event": "eval", "round": 0, **{f"eval_{k}": v for k, v in result.items()}})
 
+    def write_round(self, record: dict) -> None:
+        """Record a finished round: its uplink-log line, then its metrics record, each on disk before the round's
+        checkpoint (`checkpoint`, called after this) is swapped in. A kill anywhere between them leaves records
+        past the checkpoint, which a resume cuts back, never a checkpoint without its records."""
+        if self.log is not None:
+            self.log.append(record["round"], self.server.last_received, self.server.last_rejected)
+        self.metrics.write({"step": record["round"], "event": "round", **record})
+        _write_csv(self.metrics, self.out / "metrics.csv")
+
     def checkpoint(self, round_done: int, server: ServerRole) -> None:
-        if self.log is not None:  # logged before the checkpoint: a resume cuts a round it did not save
-            self.log.append(round_done, server.last_received, server.last_rejected)
+        """Swap in the round's checkpoint: the last write of a round, after `write_round`."""
         trainable = {name: t.view_as(p) for name, t, p in zip(self.setup.trainable.names, server.tensors,
                                                                self.setup.trainable.params, strict=True)}
         save_checkpoint(self.out / "checkpoint", {"trainable": trainable, **server.state_tensors()},
                         {"round": round_done})
-
-    def write_round(self, record: dict) -> None:
-        self.metrics.write({"step": record["round"], "event": "round", **record})
-        _write_csv(self.metrics, self.out / "metrics.csv")
 
     @contextmanager
     def progress(self, console: Console, show: bool) -> Iterator[Callable[[dict], None]]:
@@ -299,7 +303,10 @@ def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Conso
                               num_classes=len(setup.label_names) if setup.label_names else None,
                               start_tensors=server.tensors, server_noised=server.dp_secret is not None)
     else:
-        log = UplinkLog.resume(out / LOG_NAME, start_round)
+        try:
+            log = UplinkLog.resume(out / LOG_NAME, start_round)
+        except LogError as err:
+            raise ConfigError(f"cannot resume {out}: {err}") from None
     run = FederatedRun(config, out, setup, splits, plan, server, metrics, start_round, watch, log)
     if start_round == 0:
         run.evaluate_start()
@@ -318,5 +325,6 @@ def run_federated(config: FederatedConfig, *, resume: bool = False, show_progres
     with run.progress(console, show_progress) as on_round:
         simulate(run.client_context(), [s.train for s in run.splits], run.server, config.federation.rounds,
                  client=run.client_role(),
-                 start_round=run.start_round, evaluate=run.evaluate, on_round=on_round, on_checkpoint=run.checkpoint)
+                 start_round=run.start_round, evaluate=run.evaluate, on_round=on_round,
+                 on_checkpoint=run.checkpoint)  # a round's records, then its checkpoint
         return run.finish(time.perf_counter() - t0)  # on the bar: the final test may generate for minutes

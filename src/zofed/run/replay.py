@@ -3,7 +3,9 @@
 The replay reads no data and trains nothing: it rebuilds the starting trainable tensors from the model the logged
 config names (checked against the logged hash), then runs the server's side of every logged round, sampling,
 each client's state, validation of the logged uplinks, aggregation and the server step, exactly as the run's
-server did. The result is compared bit for bit with the run's `final/` tensors.
+server did. The result is compared bit for bit with the run's `final/` tensors. With `expect`, the log's head
+(the hash of its last line, which `zofed run` prints) must first be the one kept outside the run directory: the
+hash chain alone can be rewritten by whoever can edit the log.
 
 With `trace`, the replay also records how each round moved the model (`RoundTrace`): the server step's length,
 the distance from the start, and the tensor that has grown the most. A run whose loss walked away shows there
@@ -68,9 +70,30 @@ def _trace(round_id: int, names: list[str], start: list[torch.Tensor], start_rms
                       _norm([a - s for a, s in zip(after, start, strict=True)]), names[i], now[i], start_rms[i])
 
 
-def replay_run(run_dir: str | Path, trace: bool = False) -> Replay:
+# The shortest prefix of a head `--expect` accepts: 128 bits, too many to forge a log whose head starts alike.
+MIN_EXPECT_DIGITS = 32
+
+
+def check_head(path: Path, head: str, expect: str) -> None:
+    """The log's head must be `expect` (the full hash, or a prefix of at least MIN_EXPECT_DIGITS hex digits),
+    a value kept outside the run directory: a log rewritten from a changed line on has another head."""
+    wanted = expect.strip().lower()
+    if not 0 < len(wanted) <= len(head) or any(c not in "0123456789abcdef" for c in wanted):
+        raise LogError(f"--expect {expect!r} is not a SHA-256 hash (up to {len(head)} hex digits)")
+    if len(wanted) < MIN_EXPECT_DIGITS:
+        raise LogError(f"--expect {expect!r} has {len(wanted)} hex digits; give at least {MIN_EXPECT_DIGITS} of "
+                       "the head (a shorter prefix could be matched by a forged log)")
+    if not head.startswith(wanted):
+        raise LogError(f"{path} has head {head}, not the expected {wanted}: the log was changed, cut or extended "
+                       "after that head was taken, or it is another run's")
+
+
+def replay_run(run_dir: str | Path, trace: bool = False, expect: str | None = None) -> Replay:
+    """Replay `run_dir`'s uplink log; with `expect`, first check the log's head against it (`check_head`)."""
     run_dir = Path(run_dir)
     header, rounds, head = read_log(run_dir / LOG_NAME)
+    if expect is not None:
+        check_head(run_dir / LOG_NAME, head, expect)
     try:
         config = FederatedConfig.model_validate(yaml.safe_load(header["config"]))
     except Exception as err:  # noqa: BLE001 - a header whose config does not load is a bad log, whatever the cause

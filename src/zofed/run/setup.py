@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from zofed import streams
 from zofed.data.body_features import BodyFeatures, fingerprint
@@ -22,7 +22,7 @@ from zofed.data.tasks import Encoded, PromptClassification, Task, make_task
 from zofed.models.placement import DTYPES, place_model, resolve_device
 from zofed.models.registry import load_model
 from zofed.models.selection import TrainableParams, select_trainable
-from zofed.run.checkpoint import find_checkpoint, load_checkpoint
+from zofed.run.checkpoint import find_checkpoint, load_checkpoint, write_atomic_text
 from zofed.run.config import ConfigError, FinetuneConfig
 from zofed.zo.feature_scale import combine, feature_noise_scales
 from zofed.zo.prefix import PrefixCache, first_trainable_layer
@@ -204,9 +204,8 @@ def eval_indices(config: FinetuneConfig, test: Encoded) -> np.ndarray:
 def save_final(setup: Setup, out: Path) -> None:
     final = out / "final"
     final.mkdir(parents=True, exist_ok=True)
-    tmp = final / "trainable.safetensors.tmp"
-    save_file({k: v.contiguous() for k, v in setup.trainable.state_dict().items()}, str(tmp))
-    tmp.replace(final / "trainable.safetensors")
+    tensors = {k: v.contiguous() for k, v in setup.trainable.state_dict().items()}
+    write_atomic_text(final / "trainable.safetensors", save(tensors))
 
 
 def load_run(run_dir: str | Path) -> Setup:

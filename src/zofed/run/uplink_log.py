@@ -13,7 +13,11 @@ those, append-only, one JSON line each:
 
 `zofed replay RUN_DIR` (run/replay.py) rebuilds the final model from the log alone: a third party can verify
 what a federation trained without any client's data. Changing any byte of a line breaks the next line's hash.
-A resumed run cuts the log back to the rounds its checkpoint holds and appends from there.
+Each line is flushed to disk before the round's metrics record and its checkpoint are written, so a resumed run
+cuts the log back to the rounds its checkpoint holds and appends from there; a log that holds fewer rounds than
+the checkpoint stops the resume. The chain has no anchor inside the run directory (whoever can edit the log can
+rewrite every line after the one changed): `zofed run` prints the hash of the last line, the head, to be kept
+elsewhere, and `zofed replay RUN_DIR --expect HEAD` checks the log against it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from zofed.run.checkpoint import append_line, write_atomic_text
 
 LOG_NAME = "uplinks.jsonl"
 FORMAT = "zofed-uplinks/1"
@@ -65,35 +71,33 @@ class UplinkLog:
         header = _line({"format": FORMAT, "config": config_text, "num_clients": num_clients,
                         "num_classes": num_classes, "start_sha256": tensors_sha256(start_tensors),
                         "server_noised": server_noised})
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(header + "\n")
-        tmp.replace(path)
+        write_atomic_text(path, header + "\n")
         return cls(path, _sha(header))
 
     @classmethod
-    def resume(cls, path: Path, rounds_done: int) -> UplinkLog | None:
-        """The log cut back to the rounds a checkpoint holds (a crash may have logged a round it did not save);
-        None when the run has no log to continue (it was started without one, or it is shorter than the
-        checkpoint): the run then goes on without a log, and `zofed replay` refuses it."""
-        if not path.is_file():
-            return None
-        lines = path.read_text().splitlines()
+    def resume(cls, path: Path, rounds_done: int) -> UplinkLog:
+        """The log cut back to the rounds a checkpoint holds (a crash may have logged a round, or torn its line,
+        after the checkpoint before). A log that does not hold every round the checkpoint does, or whose kept
+        lines do not check, is refused (LogError): going on would leave a log that replays no model."""
+        lines = path.read_text().splitlines() if path.is_file() else []
         if len(lines) < rounds_done + 1:
-            return None
+            held = f"holds {max(len(lines) - 1, 0)}" if lines else "is missing or empty and holds none"
+            raise LogError(f"{path} {held} of the {rounds_done} rounds the checkpoint holds: it was cut or deleted "
+                           "after they were written, or the run went on without it "
+                           "(federation.log_uplinks=false) for a while. Resume with --set "
+                           "federation.log_uplinks=false to go on without an audit log (zofed replay then "
+                           "refuses the run), or start a new run")
         kept = lines[: rounds_done + 1]
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        tmp.replace(path)
-        return cls(path, _sha(kept[-1]))
+        _, _, head = _check(path, kept)
+        write_atomic_text(path, "".join(line + "\n" for line in kept))
+        return cls(path, head)
 
     def append(self, round_done: int, uplinks: Sequence[tuple[int, bytes]],
                rejected: Sequence[tuple[int | None, str]]) -> None:
         line = _line({"round": round_done, "prev": self.prev,
                       "uplinks": [[int(c), base64.b64encode(data).decode("ascii")] for c, data in uplinks],
                       "rejected": [[c, reason] for c, reason in rejected]})
-        with self.path.open("a") as f:
-            f.write(line + "\n")
-            f.flush()
+        append_line(self.path, line)
         self.prev = _sha(line)
 
 
@@ -110,7 +114,10 @@ def read_log(path: Path) -> tuple[dict[str, Any], list[LoggedRound], str]:
     if not path.is_file():
         raise LogError(f"{path.parent} has no uplink log ({path.name}): the run was made without one, or by a "
                        "zofed that did not write it")
-    lines = path.read_text().splitlines()
+    return _check(path, path.read_text().splitlines())
+
+
+def _check(path: Path, lines: list[str]) -> tuple[dict[str, Any], list[LoggedRound], str]:
     if not lines:
         raise LogError(f"{path} is empty")
     try:

@@ -42,8 +42,8 @@ def simulate(ctx: ClientContext, client_indices: Sequence[np.ndarray], server: S
              on_checkpoint: Callable[[int, ServerRole], None] | None = None,
              client: ClientRole | None = None) -> SimulationResult:
     """Run rounds `start_round`..`rounds`-1 of `server`'s plan; returns the final global tensors and per-round
-    records. `on_checkpoint(rounds_done, server)` follows every round; `client` replaces the honest client role
-    built from `ctx` (a run with attackers passes its own)."""
+    records. `on_round(record)` and then `on_checkpoint(rounds_done, server)` follow every round; `client`
+    replaces the honest client role built from `ctx` (a run with attackers passes its own)."""
     if len(client_indices) != server.plan.num_clients:
         raise ValueError(f"{len(client_indices)} clients hold data, the plan has {server.plan.num_clients}")
     client = client or ClientRole(ctx, server.plan.first_order_optimizer)
@@ -66,9 +66,9 @@ def simulate(ctx: ClientContext, client_indices: Sequence[np.ndarray], server: S
         if evaluate is not None:
             record.update(evaluate(round_id + 1))
         result.history.append(record)
+        if on_round is not None:  # the round's records first: a checkpoint never gets ahead of them
+            on_round(record)
         if on_checkpoint is not None:
             on_checkpoint(round_id + 1, server)
-        if on_round is not None:
-            on_round(record)
     result.global_tensors = server.model_tensors()
     return result
