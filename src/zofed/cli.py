@@ -256,6 +256,7 @@ def evaluate(
     examples: Annotated[int | None, typer.Option(help="evaluate only the first N test examples")] = None,
 ) -> None:
     """Evaluate a fine-tuned run's weights on its test split."""
+    from zofed.run.checkpoint import write_atomic_text
     from zofed.run.setup import load_run
 
     try:
@@ -265,7 +266,7 @@ def evaluate(
     indices = list(range(min(examples, len(setup.test)))) if examples else None
     result = setup.task.evaluate(setup.model, setup.test, setup.config.train.eval_batch_size, indices)
     n = len(indices) if indices is not None else len(setup.test)
-    (run_dir / "eval.json").write_text(json.dumps({"test": result, "test_examples": n}, indent=2))
+    write_atomic_text(run_dir / "eval.json", json.dumps({"test": result, "test_examples": n}, indent=2))
     console.print(" ".join(f"{k}={v:.4f}" for k, v in result.items()) + f" on {n} test examples")
 
 
