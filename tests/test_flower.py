@@ -200,6 +200,25 @@ def test_flat_run_config_keys_are_laid_over_the_embedded_config(tiny_workspace, 
     assert resolved == expected and resolved.federation.partition == cfg.federation.partition
 
 
+def test_the_flat_lr_is_the_clients_learning_rate_of_whatever_method_runs(tiny_workspace, tmp_path):
+    """fedavg and fedadam clients step at federation.first_order_lr, never optimizer.lr: `lr` sets the former for
+    them (it was laid over optimizer.lr and silently ignored). An `lr` left as written for a zeroth-order app keeps
+    its value off a first-order method that a flat `method` switches to."""
+    fedavg = _config(tiny_workspace, tmp_path / "x", "federation.method=fedavg", "federation.first_order_lr=2e-3")
+    app_config = _app_run_config(fedavg)
+    assert app_config["lr"] == 2e-3 and resolve_run_config(app_config) == fedavg
+    resolved = resolve_run_config({**app_config, "lr": 5e-3})
+    assert resolved.federation.first_order_lr == 5e-3 and resolved.optimizer.lr == fedavg.optimizer.lr
+    with pytest.raises(ConfigError, match=r"'lr' \(federation.first_order_lr\) = -1.0: Input should be greater"):
+        resolve_run_config({**app_config, "lr": -1.0})
+    zofed = _config(tiny_workspace, tmp_path / "x")
+    app_config = _app_run_config(zofed)
+    switched = resolve_run_config({**app_config, "method": "fedadam"})
+    assert switched.federation.first_order_lr == zofed.federation.first_order_lr  # not the ZO lr
+    switched = resolve_run_config({**app_config, "method": "fedadam", "lr": 4e-3})
+    assert switched.federation.first_order_lr == 4e-3 and switched.optimizer.lr == zofed.optimizer.lr
+
+
 @pytest.mark.parametrize(("override", "named"), [
     ({"lr": -1.0}, r"'lr' \(optimizer.lr\) = -1.0: Input should be greater than 0"),
     ({"method": "sgd"}, r"'method' \(federation.method\) = 'sgd': "),

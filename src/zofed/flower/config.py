@@ -2,9 +2,10 @@
 
 A deployed app carries the whole zofed config as YAML in its run config (`zofed-config`) and, next to it, the
 main settings as flat keys (RUN_CONFIG_KEYS) so Flower's own `flwr run ... --run-config "rounds=10 lr=2e-4"`
-changes them. `resolve_run_config` lays the flat keys over the YAML and validates the result with the same
-schema as any zofed config; the ServerApp and every ClientApp call it on the run config Flower hands them (the
-same for every app of a run), so they resolve the same config.
+changes them (`lr` is the clients' learning rate, whichever key the run's method reads it from: `run_config_key`).
+`resolve_run_config` lays the flat keys over the YAML and validates the result with the same schema as any zofed
+config; the ServerApp and every ClientApp call it on the run config Flower hands them (the same for every app of
+a run), so they resolve the same config.
 """
 
 from __future__ import annotations
@@ -32,6 +33,22 @@ RUN_CONFIG_KEYS: dict[str, str] = {
     "seed": "train.seed",
     "out-dir": "out_dir",
 }
+# `lr` is the clients' learning rate: optimizer.lr for the zeroth-order methods, this for the methods whose clients
+# back-propagate (fedavg, fedadam), which never read optimizer.lr
+FIRST_ORDER_LR = "federation.first_order_lr"
+
+
+def run_config_key(flat: str, method: str) -> str:
+    """The zofed key that the flat key `flat` sets in a run of `method`."""
+    from zofed.fl.methods import get_method
+
+    if flat == "lr":
+        try:
+            first_order = get_method(method).first_order
+        except ValueError:  # an unknown method: the validation names it
+            first_order = False
+        return FIRST_ORDER_LR if first_order else RUN_CONFIG_KEYS[flat]
+    return RUN_CONFIG_KEYS[flat]
 
 
 def config_text(config: FederatedConfig) -> str:
@@ -48,12 +65,19 @@ def parse_config_text(text: str) -> FederatedConfig:
         raise ConfigError(f"the run's zofed config cannot be used: {err}") from None
 
 
-def config_value(config: FederatedConfig, dotted: str) -> Any:
-    """The value of `section.key` in `config` (as it dumps to YAML)."""
-    node: Any = config.model_dump(mode="json")
+def config_value(config: FederatedConfig | dict, dotted: str) -> Any:
+    """The value of `section.key` in `config` (as it dumps to YAML); None where a tree lacks it."""
+    node: Any = config if isinstance(config, dict) else config.model_dump(mode="json")
     for key in dotted.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return None
         node = node[key]
     return node
+
+
+def flat_value(config: FederatedConfig, flat: str) -> Any:
+    """What the flat key `flat` holds for `config`: the value of the zofed key it sets in a run of its method."""
+    return config_value(config, run_config_key(flat, config.federation.method))
 
 
 def resolve_run_config(run_config: Mapping[str, Any]) -> FederatedConfig:
@@ -63,15 +87,18 @@ def resolve_run_config(run_config: Mapping[str, Any]) -> FederatedConfig:
     text = run_config.get(CONFIG_KEY)
     if not isinstance(text, str) or not text:
         raise ConfigError(f"the run config has no {CONFIG_KEY!r}: write the app with `zofed flower-app`")
-    parse_config_text(text)  # the YAML alone must be valid: an error in it is not a flat key's fault
+    written = parse_config_text(text)  # the YAML alone must be valid: an error in it is not a flat key's fault
     tree = yaml.safe_load(text)
+    method = run_config.get("method", written.federation.method)
     laid: dict[str, str] = {}  # zofed key -> flat key, for the error message
-    for flat, dotted in RUN_CONFIG_KEYS.items():
+    for flat in RUN_CONFIG_KEYS:
         if flat not in run_config:
             continue
-        value = run_config[flat]
+        value, dotted = run_config[flat], run_config_key(flat, method)
         if isinstance(value, bool):  # pydantic would read true as 1; no flat key is a switch
             raise ConfigError(f"run config key {flat!r} ({dotted}) = {value!r}: not a boolean setting")
+        if dotted != run_config_key(flat, written.federation.method) and value == flat_value(written, flat):
+            continue  # `method` switched between zeroth and first order, `lr` left as written for the old one
         node = tree
         *sections, leaf = dotted.split(".")
         for section in sections:

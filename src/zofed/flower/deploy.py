@@ -19,7 +19,7 @@ from zofed.flower.config import (
     CONFIG_KEY,
     RUN_CONFIG_KEYS,
     config_text,
-    config_value,
+    flat_value,
     num_supernodes,
     resolve_run_config,
 )
@@ -35,8 +35,8 @@ def render_app_pyproject(config: FederatedConfig, *, resume: bool = False) -> st
     # number a valid TOML one; the parse below proves it for this config.
     text = template.replace("zofed-resume = false", f"zofed-resume = {'true' if resume else 'false'}").replace(
         '"ZOFED_CONFIG_YAML"', json.dumps(config_text(config), ensure_ascii=False))
-    for flat, dotted in RUN_CONFIG_KEYS.items():
-        line = f"{flat} = {json.dumps(config_value(config, dotted), ensure_ascii=False)}"
+    for flat in RUN_CONFIG_KEYS:
+        line = f"{flat} = {json.dumps(flat_value(config, flat), ensure_ascii=False)}"
         # A function as the replacement: the line is taken literally (a path may hold backslashes).
         text, found = re.subn(rf"^{re.escape(flat)} = .*$", lambda _, line=line: line, text, count=1,
                               flags=re.MULTILINE)
