@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import re
 import string
 from collections.abc import Callable, Sequence
@@ -32,6 +34,10 @@ TaskType = Literal["prompt-classification", "encoder-classification", "causal-lm
 # one, else the instruction template (data/causal_lm.py); chat and template force one of the two.
 PromptFormat = Literal["auto", "chat", "template"]
 DEFAULT_TEMPLATE = "{text}"
+# A label name the model can answer with as it is: one word or code (positive, ABBR, sci-fi), not a phrase or number
+LABEL_WORD = re.compile(r"[^\W\d_][\w-]*")
+
+logger = logging.getLogger("zofed.data")
 
 
 class TaskConfig(BaseModel):
@@ -235,22 +241,47 @@ def last_position(hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
     return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
 
 
+def verbalizer_option(words: Sequence[str]) -> str:
+    """A `--set` option that sets task.verbalizer to `words`, quoted for a shell: ready to copy."""
+    items = ", ".join(w if LABEL_WORD.fullmatch(w) else json.dumps(w, ensure_ascii=False) for w in words)
+    return "--set '" + f"task.verbalizer=[{items}]".replace("'", "'\\''") + "'"
+
+
+def label_verbalizer(label_names: Sequence[str]) -> list[str]:
+    """task.verbalizer's default: the data's label names, when each is one word or code the model can answer with
+    (a note says so and how to choose others). Names that are phrases or numbers stop the run with a `--set` line
+    naming them, in class order, to edit into one word each."""
+    names = list(label_names)
+    if all(LABEL_WORD.fullmatch(name) for name in names):
+        logger.info("task.verbalizer is unset: the model answers with the label names %s; to choose other words, "
+                    "one per class in this order: %s", names, verbalizer_option(names))
+        return names
+    raise DataError(f"task.verbalizer is unset, and the data's label names {names} are not single words the model "
+                    f"could answer with; give one word per class, in this order, e.g. edit each name to a word in "
+                    f"{verbalizer_option(names)}")
+
+
 class PromptClassification(Task):
-    def __init__(self, tokenizer, config: TaskConfig, num_classes: int) -> None:
+    def __init__(self, tokenizer, config: TaskConfig, num_classes: int,
+                 label_names: Sequence[str] | None = None) -> None:
+        """`label_names` (the data's, in class order) stand in for an unset task.verbalizer (`label_verbalizer`)."""
         super().__init__(tokenizer, config)
-        if len(config.verbalizer) != num_classes:
-            raise DataError(f"task.verbalizer has {len(config.verbalizer)} words {config.verbalizer} for the data's "
+        defaulted = not config.verbalizer and label_names is not None and len(label_names) == num_classes
+        self.verbalizer = label_verbalizer(label_names) if defaulted else list(config.verbalizer)
+        if len(self.verbalizer) != num_classes:
+            raise DataError(f"task.verbalizer has {len(self.verbalizer)} words {self.verbalizer} for the data's "
                             f"{num_classes} classes; give one word per class, in the order of the label names")
-        ids = [tokenizer(w, add_special_tokens=False)["input_ids"] for w in config.verbalizer]
-        empty = [w for w, i in zip(config.verbalizer, ids, strict=True) if not i]
+        ids = [tokenizer(w, add_special_tokens=False)["input_ids"] for w in self.verbalizer]
+        empty = [w for w, i in zip(self.verbalizer, ids, strict=True) if not i]
         if empty:
             raise DataError(f"task.verbalizer words {empty} encode to no token; pick real words")
         self.label_token_ids = torch.tensor([i[0] for i in ids])
         self.num_classes = num_classes
         self.remember_body(None)
         if len(set(self.label_token_ids.tolist())) != num_classes:
-            raise DataError(f"task.verbalizer words {config.verbalizer} share their first token, so the model could "
-                            "not tell their classes apart; pick words that start differently")
+            where = "the label names (task.verbalizer is unset)" if defaulted else "task.verbalizer words"
+            raise DataError(f"{where} {self.verbalizer} share their first token, so the model could not tell their "
+                            f"classes apart; pick words that start differently: {verbalizer_option(self.verbalizer)}")
 
     def remember_body(self, memo: BodyFeatures | None, *, in_training: bool = False) -> None:
         """Evaluate from `memo`'s remembered body features (every block frozen): each example runs through the model
@@ -388,12 +419,15 @@ class EncoderClassification(Task):
         return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
 
 
-def make_task(config: TaskConfig, tokenizer, num_classes: int | None) -> Task:
+def make_task(config: TaskConfig, tokenizer, num_classes: int | None,
+              label_names: Sequence[str] | None = None) -> Task:
+    """The task of `config`; a prompt classification with no task.verbalizer answers with `label_names`, the
+    data's, where they are words (`label_verbalizer`)."""
     if config.type == "prompt-classification":
         if not num_classes:
             raise DataError("task.type prompt-classification needs labelled data (data.label_column names the "
                             "label column); instruction data takes task.type causal-lm")
-        return PromptClassification(tokenizer, config, num_classes)
+        return PromptClassification(tokenizer, config, num_classes, label_names)
     if config.type == "encoder-classification":
         task = EncoderClassification(tokenizer, config)
         task.num_classes = num_classes

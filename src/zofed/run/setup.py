@@ -109,7 +109,7 @@ def build(config: FinetuneConfig) -> Setup:
     device = run_device(config)  # before the slow loads: a missing GPU fails at once
     train, test = load_splits(config)
     num_classes = len(train.label_names) if train.label_names else None
-    model, trainable, task = build_model(config, num_classes, device)
+    model, trainable, task = build_model(config, num_classes, device, train.label_names)
     cache = prefix_cache(config, model, trainable, task)
     if isinstance(task, PromptClassification):
         task.remember_body(body_memo(config, model, trainable, cache), in_training=config.train.remember_features)
@@ -123,14 +123,15 @@ def run_device(config: FinetuneConfig) -> torch.device:
         raise ConfigError(str(err)) from None
 
 
-def build_model(config: FinetuneConfig, num_classes: int | None,
-                device: torch.device) -> tuple[torch.nn.Module, TrainableParams, Task]:
+def build_model(config: FinetuneConfig, num_classes: int | None, device: torch.device,
+                label_names: list[str] | None = None) -> tuple[torch.nn.Module, TrainableParams, Task]:
     """The model with its starting trainable tensors (and their noise masks), and the task, without any data:
-    what the run's server starts from (`zofed replay` rebuilds it from the config alone)."""
+    what the run's server starts from (`zofed replay` rebuilds it from the config alone). `label_names` stand in
+    for an unset task.verbalizer (data/tasks.py); the run's stored config pins the words they gave."""
     kind = config.model.kind or ("encoder" if config.task.type == "encoder-classification" else "causal-lm")
     loaded = load_model(config.model.name, kind=kind, num_labels=num_classes if kind == "encoder" else None,
                         head_seed=config.trainable.init_seed)
-    task = make_task(config.task, loaded.tokenizer, num_classes)
+    task = make_task(config.task, loaded.tokenizer, num_classes, label_names)
     if config.trainable.label_head:
         if not isinstance(task, PromptClassification):
             raise ConfigError(f"trainable.label_head trains the verbalizer's output rows of a prompt-classification "

@@ -35,7 +35,11 @@ def pinned(config: FinetuneConfig) -> FinetuneConfig:
 
 def with_prompt_format(config: FinetuneConfig, task: Task) -> FinetuneConfig:
     """The config with a causal-lm task's `prompt_format: auto` replaced by the format the model resolved it to
-    (chat where the tokenizer has a chat template): auto could resolve otherwise under another zofed or model."""
+    (chat where the tokenizer has a chat template): auto could resolve otherwise under another zofed or model.
+    An unset task.verbalizer likewise takes the label names the task answers with (`zofed replay` has no data)."""
+    verbalizer = getattr(task, "verbalizer", None)  # prompt classification: an unset one takes the label names
+    if verbalizer and verbalizer != config.task.verbalizer:
+        config = config.model_copy(update={"task": config.task.model_copy(update={"verbalizer": verbalizer})})
     prompt_format = getattr(task, "prompt_format", None)  # causal-lm tasks only
     if prompt_format is None or config.task.prompt_format == prompt_format:
         return config
@@ -104,6 +108,10 @@ def check_resumed_config(config: FinetuneConfig, stored_path: Path) -> FinetuneC
         new["task.prompt_format"] = stored["task.prompt_format"]
         config = config.model_copy(update={"task": config.task.model_copy(
             update={"prompt_format": stored["task.prompt_format"]})})
+    if not new["task.verbalizer"]:  # the stored run answered with its label names (data/tasks.py)
+        new["task.verbalizer"] = stored["task.verbalizer"]
+        config = config.model_copy(update={"task": config.task.model_copy(
+            update={"verbalizer": stored["task.verbalizer"]})})
     changed = [f"{key} ({stored.get(key)!r} -> {new.get(key)!r})" for key in sorted(stored.keys() | new.keys())
                if key not in RESUMABLE_CHANGES and stored.get(key) != new.get(key)]
     if changed:
