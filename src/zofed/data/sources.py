@@ -220,7 +220,7 @@ def _read_json(path: Path, text: str, bad: _BadLines) -> list[Record]:
     except json.JSONDecodeError as e:
         raise DataError(f"{path}, line {e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(data, list):
-        hint = " (one object a line? use format='jsonl')" if isinstance(data, dict) else ""
+        hint = " (one object a line? --set data.format=jsonl)" if isinstance(data, dict) else ""
         raise DataError(f"{path}: expected a JSON array of objects, found {type(data).__name__}{hint}")
     records: list[Record] = []
     for i, obj in enumerate(data, start=1):
@@ -429,8 +429,9 @@ def load_file(
         format = _EXTENSIONS.get(path.suffix.lower())
         if format is None:
             raise DataError(
-                f"{path}: cannot tell the format from the extension {path.suffix!r}; "
-                f"pass format= one of {list(FORMATS)} (extensions: {', '.join(_EXTENSIONS)})"
+                f"{path}: cannot tell the format from the extension {path.suffix!r} (known: "
+                f"{', '.join(_EXTENSIONS)}); name it: --set data.format=FORMAT (data.format in a config, format= in "
+                f"load_file), FORMAT one of {', '.join(FORMATS)}"
             )
     if format not in FORMATS:
         raise DataError(f"{path}: unknown format {format!r}; accepted formats: {list(FORMATS)}")
