@@ -220,7 +220,8 @@ def _read_json(path: Path, text: str, bad: _BadLines) -> list[Record]:
     except json.JSONDecodeError as e:
         raise DataError(f"{path}, line {e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(data, list):
-        hint = " (one object a line? --set data.format=jsonl)" if isinstance(data, dict) else ""
+        hint = (" (one object a line? --set data.format=jsonl; format='jsonl' in load_file)"
+                if isinstance(data, dict) else "")
         raise DataError(f"{path}: expected a JSON array of objects, found {type(data).__name__}{hint}")
     records: list[Record] = []
     for i, obj in enumerate(data, start=1):
