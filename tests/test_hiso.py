@@ -69,3 +69,31 @@ def test_a_hiso_downlink_carries_the_preconditioner_and_a_bad_one_is_refused():
     start = ctx.trainable.tensors()
     with pytest.raises(ValueError, match="one finite preconditioner value per trainable value"):
         get_method("hiso").perturbations(bad, start, None, [1, 2], np.ones(3, np.float32))
+
+
+def _hiso_round(run_seed):
+    from test_pooled_aggregation import _round
+
+    return _round("hiso", shared=True, clients=4, run_seed=run_seed)
+
+
+def test_two_hiso_servers_in_one_process_rebuild_as_each_alone():
+    """The method object is shared by every run of the process; what a run's rebuild depends on must not be kept
+    there. Two servers' rounds rebuilt interleaved, client by client, pool and aggregate (seed-median: the clients'
+    terms must fall under one perturbation) exactly as each server's round rebuilt alone."""
+    from zofed.fl.aggregate import SeedMedian
+
+    def aggregate(server, contributions):
+        median = SeedMedian()
+        return median.update(server.tensors, contributions, median.init())[0]
+
+    (a, (local_a, inbox_a)), (b, (local_b, inbox_b)) = _hiso_round(7), _hiso_round(8)
+    alone_a = aggregate(a, [a.contribution(u, local_a) for u in inbox_a.accepted])
+    alone_b = aggregate(b, [b.contribution(u, local_b) for u in inbox_b.accepted])
+    mixed_a, mixed_b = [], []
+    for ua, ub in zip(inbox_a.accepted, inbox_b.accepted, strict=True):
+        mixed_a.append(a.contribution(ua, local_a))
+        mixed_b.append(b.contribution(ub, local_b))
+    assert len({pert.noise_key() for c in mixed_a for pert, _ in c.directions}) == 1
+    for alone, mixed in ((alone_a, aggregate(a, mixed_a)), (alone_b, aggregate(b, mixed_b))):
+        assert all(torch.equal(x, y) for x, y in zip(alone, mixed, strict=True))

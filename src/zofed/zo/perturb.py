@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -38,8 +39,7 @@ class Perturbation:
         compared by identity: they are shared objects, too large to compare."""
         if self.scales is not None or self.momentum is not None:
             return None
-        return (self.kind, None if self.masks is None else id(self.masks),
-                None if self.precondition is None else id(self.precondition))
+        return (self.kind, None if self.masks is None else id(self.masks), self._precondition_id)
 
     def noise_key(self) -> tuple | None:
         """Perturbations with equal keys differ at most in their per-tensor scales, so a term under one is a term
@@ -47,8 +47,15 @@ class Perturbation:
         and tensor across clients and regenerate each seed's noise once. None with a momentum tilt."""
         if self.momentum is not None:
             return None
-        return (self.kind, None if self.masks is None else id(self.masks),
-                None if self.precondition is None else id(self.precondition))
+        return (self.kind, None if self.masks is None else id(self.masks), self._precondition_id)
+
+    @cached_property
+    def _precondition_id(self) -> tuple | None:
+        """The precondition compared by the memory it views, not by its list: every client of a HiSo round splits
+        the same downlink array (each call its own list of views of it), and their terms pool all the same."""
+        if self.precondition is None:
+            return None
+        return tuple((t.data_ptr(), t.numel(), t.stride(0)) for t in self.precondition)
 
     def scale(self, i: int) -> float:
         return 1.0 if self.scales is None else float(self.scales[i])

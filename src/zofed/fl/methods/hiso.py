@@ -63,9 +63,6 @@ class HiSo(Method):
     summary = ("MeZO local steps on shared seeds along perturbations preconditioned by a global second moment; "
                "one scalar a step uploaded, the preconditioner sent down")
 
-    def __init__(self) -> None:
-        self._last: tuple[np.ndarray, list[torch.Tensor]] | None = None  # the state last split into tensors
-
     sum_suffices = True
 
     def shares_seeds(self, shared_seeds_setting: bool) -> bool:
@@ -81,11 +78,11 @@ class HiSo(Method):
         if server_state.shape != (numel,) or not np.isfinite(server_state).all():
             raise ValueError(f"a hiso downlink carries one finite preconditioner value per trainable value "
                              f"({numel}), got {server_state.shape}")
-        # Every client of a round is sent the same array: split it once, so the server pools their terms.
-        if self._last is None or self._last[0] is not server_state:
-            flat = torch.from_numpy(np.ascontiguousarray(server_state, dtype=np.float32)).to(like[0].device)
-            self._last = (server_state, list(torch.split(flat, [t.numel() for t in like])))
-        base = Perturbation(kind=local.noise, masks=masks, precondition=self._last[1])
+        # Views of the array, kept nowhere: the method object serves every run of the process. The server pools
+        # the terms of clients sent the same array, whose views share its memory (Perturbation.pool_key).
+        flat = torch.from_numpy(np.ascontiguousarray(server_state, dtype=np.float32)).to(like[0].device)
+        parts = list(torch.split(flat, [t.numel() for t in like]))
+        base = Perturbation(kind=local.noise, masks=masks, precondition=parts)
         return [base] * len(seeds)
 
     def step_blocks(self, local: LocalTraining, like: Sequence[torch.Tensor],
