@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 from toy_federation import tiny_federated_config
 
-from zofed.run.checkpoint import find_checkpoint, load_checkpoint, write_atomic_text
+from zofed.run.checkpoint import find_checkpoint, load_checkpoint, remove_stale_temporaries, write_atomic_text
 from zofed.run.config import ConfigError, load_config
 from zofed.run.federated_config import FederatedConfig
 from zofed.run.metrics import MetricsLog
@@ -172,6 +172,7 @@ def test_a_run_killed_twenty_times_ends_with_the_uninterrupted_model(tiny_worksp
     assert replay_run(out).matches  # the log of a run resumed twenty-four times replays to its model
     recorded = [r["round"] for r in MetricsLog(out / "metrics.jsonl").read() if r["event"] == "round"]
     assert recorded == list(range(1, ROUNDS + 1))  # every round's record once: none lost, none twice
+    assert not list(out.glob(".*.tmp")) and not list((out / "final").glob(".*.tmp"))  # no half-written leftovers
 
 
 def test_a_round_is_logged_and_recorded_before_its_checkpoint(tiny_workspace, tmp_path, monkeypatch):
@@ -257,3 +258,14 @@ def test_a_torn_last_metrics_line_is_dropped_and_a_damaged_one_named(tmp_path, c
     log.path.write_text(lines[0] + "\n" + lines[1] + "x\n")  # a damaged last line, whole: not a torn append
     with pytest.raises(ConfigError, match=r"metrics.jsonl, line 2: not a JSON record"):
         log.truncate_after(3)
+
+
+def test_a_resume_removes_what_killed_writers_left_half_written(tmp_path):
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, alive = int(gone.stdout), os.getpid()
+    stale = tmp_path / f".results.json.{dead}-0123abcd.tmp"  # a writer killed between its write and its rename
+    busy = tmp_path / f".metrics.csv.{alive}-89abcdef.tmp"  # a writer still at work
+    for path in (stale, busy, tmp_path / ".notes.tmp"):
+        path.write_text("{")
+    remove_stale_temporaries(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([busy.name, ".notes.tmp"])

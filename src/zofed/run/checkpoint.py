@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 from pathlib import Path
@@ -33,6 +34,32 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
+def _temporary(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+
+
+_TEMPORARY = re.compile(r"^\..+\.(\d+)-[0-9a-f]{8}\.tmp$")
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temporaries(directory: Path) -> None:
+    """Delete the temporary files that `write_atomic_text` writers killed before their rename left in
+    `directory`: those whose process is gone (a running writer's file is its own)."""
+    for candidate in Path(directory).glob(".*.tmp"):
+        match = _TEMPORARY.match(candidate.name)
+        if match and not _running(int(match.group(1))):
+            candidate.unlink(missing_ok=True)
+
+
 def write_atomic_text(path: Path, data: str | bytes) -> None:
     """Replace `path` with `data` (text is written as UTF-8): the project's one way to replace a file.
 
@@ -40,7 +67,7 @@ def write_atomic_text(path: Path, data: str | bytes) -> None:
     the last rename wins), is flushed to disk, then renamed over `path`, and the directory is flushed: readers
     and a crash see the old file or the new one, never part of one."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    tmp = _temporary(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for a plain write
     try:
         with os.fdopen(fd, "wb") as f:

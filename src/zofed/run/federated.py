@@ -36,7 +36,13 @@ from zofed.fl.plan import FEDERATED_OPTIMIZERS, FederationPlan
 from zofed.fl.roles import ClientRole, Screen, ServerRole
 from zofed.fl.server_opt import ServerOptimizer
 from zofed.models.selection import TrainableParams
-from zofed.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, write_atomic_text
+from zofed.run.checkpoint import (
+    find_checkpoint,
+    load_checkpoint,
+    remove_stale_temporaries,
+    save_checkpoint,
+    write_atomic_text,
+)
 from zofed.run.config import ConfigError
 from zofed.run.federated_config import FederatedConfig
 from zofed.run.metrics import CLIENT_LISTS, MetricsLog
@@ -272,6 +278,8 @@ def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Conso
                           f"federation.server_optimizer.name={fixed}")
     server_optimizer = fed.server_optimizer.build(fed.method, fed.rounds)
     out.mkdir(parents=True, exist_ok=True)
+    for directory in (out, out / "final"):  # what a killed sitting left half-written
+        remove_stale_temporaries(directory)
     setup = build(config)
     config = with_prompt_format(config, setup.task)
     dump_config(config, out / "config.yaml")
