@@ -20,7 +20,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "zofed"
 
 
 def stream_functions() -> dict[str, inspect.Signature]:
-    """Every public function of the module that makes a Generator."""
+    """Every public function of the module: each makes a Generator, or a torch seed drawn from one."""
     return {name: inspect.signature(fn) for name, fn in vars(streams).items()
             if inspect.isfunction(fn) and not name.startswith("_") and fn.__module__ == streams.__name__}
 
@@ -31,13 +31,20 @@ def argument_tuples(name: str, signature: inspect.Signature) -> list[tuple]:
     return list(itertools.product(GRID, repeat=len(signature.parameters)))
 
 
+def first_draw(made: np.random.Generator | int) -> bytes:
+    """A Generator's first four uint64s, or a torch seed as it is."""
+    if isinstance(made, int):
+        return b"torch seed" + made.to_bytes(8, "little")
+    return made.integers(0, 2**64, size=4, dtype=np.uint64).tobytes()
+
+
 def test_every_stream_and_argument_tuple_draws_its_own_numbers() -> None:
     functions = stream_functions()
-    assert len(functions) >= 18  # the module's table: a stream dropped from it would go untested here
+    assert len(functions) >= 20  # the module's table: a stream dropped from it would go untested here
     first: dict[bytes, tuple] = {}
     for name, signature in functions.items():
         for args in argument_tuples(name, signature):
-            draw = getattr(streams, name)(*args).integers(0, 2**64, size=4, dtype=np.uint64).tobytes()
+            draw = first_draw(getattr(streams, name)(*args))
             assert draw not in first, f"{name}{args} draws what {first.get(draw)} draws"
             first[draw] = (name, args)
 
@@ -53,6 +60,7 @@ def test_streams_known_to_have_met_now_differ() -> None:
     assert draw(streams.local_batch(2**32 + 5, 3, 0, 0)) != draw(streams.local_batch(5, 1, 3, 0))
     assert draw(streams.client_eval(3, 0)) != draw(streams.local_batch(3, 0, 0, 0))
     assert draw(streams.partition(3)) != draw(streams.held_out_split(3))
+    assert streams.lora_init(0) != streams.head_init(0)  # both once seeded torch with trainable.init_seed itself
 
 
 @pytest.mark.parametrize("bad", [-1, 2**64, 2**70])
@@ -67,9 +75,13 @@ def test_the_same_arguments_give_the_same_stream() -> None:
 
 
 def test_no_random_stream_is_seeded_outside_streams_py() -> None:
-    """Seeding numpy anywhere else could bring back a collision; local DP's unseeded (fresh-entropy) generator is
-    the one generator made elsewhere."""
-    seeded = re.compile(r"default_rng\(\s*[^)\s]|SeedSequence\(|np\.random\.seed\(|RandomState\(")
-    found = [f"{path.relative_to(SRC)}:{n}" for path in SRC.rglob("*.py") if path.name != "streams.py"
+    """Seeding numpy or torch anywhere else could bring back a collision. Made elsewhere: local DP's unseeded
+    (fresh-entropy) generator, and torch seeded with constants of the code (the tiny test models' weights, the
+    feature scales' fixed probe input)."""
+    seeded = re.compile(r"default_rng\(\s*[^)\s]|SeedSequence\(|np\.random\.seed\(|RandomState\("
+                        r"|manual_seed\((?!streams\.)")
+    constants = {"models/tiny.py", "zo/feature_scale.py"}
+    found = [f"{path.relative_to(SRC)}:{n}" for path in SRC.rglob("*.py")
+             if path.name != "streams.py" and str(path.relative_to(SRC)) not in constants
              for n, line in enumerate(path.read_text().splitlines(), 1) if seeded.search(line)]
-    assert not found, f"numpy streams seeded outside zofed/streams.py: {found}"
+    assert not found, f"random streams seeded outside zofed/streams.py: {found}"

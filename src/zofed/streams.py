@@ -26,10 +26,13 @@ no other stream can take (see `_key`):
 | partition          | 16  | partition.seed                 | the client split (data/partition.py)            |
 | client test split  | 17  | partition.seed, client         | a client's local test examples                  |
 | block draw         | 18  | step seed                      | zofed's block of a step (fl/personal.py)        |
+| LoRA init          | 19  | trainable.init_seed            | torch's seed for LoRA's random init             |
+| head init          | 20  | trainable.init_seed            | torch's seed for an encoder's new head          |
 
 Not drawn here: the perturbation seeds (`zo.noise.derive_seed` of run seed, round, owner and step; FedKSeed's
 pool at `KSEED_POOL + j`), which are seeds, not streams; local DP's noise, fresh entropy that no one may
-reproduce (fl/privacy.py); and torch's model initializations (models/).
+reproduce (fl/privacy.py); the tiny test models' weights (models/tiny.py) and the fixed probe input of
+zo/feature_scale.py, constants of the code rather than streams of a run.
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ class Tag(enum.IntEnum):
     PARTITION = 16
     CLIENT_TEST_SPLIT = 17
     BLOCK_DRAW = 18
+    LORA_INIT = 19
+    HEAD_INIT = 20
 
 
 def _key(tag: Tag, args: Sequence[int]) -> np.ndarray:
@@ -160,3 +165,17 @@ def client_test_split(seed: int, client_id: int) -> np.random.Generator:
 
 def block_draw(step_seed: int) -> np.random.Generator:
     return _stream(Tag.BLOCK_DRAW, step_seed)
+
+
+def lora_init(init_seed: int) -> int:
+    """torch's seed for LoRA's random init: its own stream, not the new head's (both read trainable.init_seed)."""
+    return _torch_seed(Tag.LORA_INIT, init_seed)
+
+
+def head_init(init_seed: int) -> int:
+    """torch's seed for an encoder's new classification head."""
+    return _torch_seed(Tag.HEAD_INIT, init_seed)
+
+
+def _torch_seed(tag: Tag, *args: int) -> int:
+    return int(_stream(tag, *args).integers(0, 2**63))

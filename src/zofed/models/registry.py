@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 # Re-exported (see __all__): callers import these from the registry, as before catalog.py existed.
+from zofed import streams
 from zofed.models.catalog import (
     BUILTIN_MODELS,
     CAUSAL_LM,
@@ -125,7 +126,7 @@ def load_model(name: str, kind: str | None = None, num_labels: int | None = None
         else:
             # The new head's weights come from the global RNG: a fixed seed in a forked stream.
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(head_seed)
+                torch.manual_seed(streams.head_init(head_seed))
                 model = AutoModelForSequenceClassification.from_pretrained(
                     source, num_labels=num_labels, dtype=torch.float32
                 )

@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from zofed import streams
 from zofed.models.catalog import ModelLoadError
 from zofed.zo.optim import magnitude_masks
 
@@ -62,7 +63,8 @@ class TrainableConfig(BaseModel):
     # the blocks LoRA adapts (negative: from the top, [-2, -1] the top two); None: every block. Adapters in the
     # top blocks only let zo.prefix_cache run the frozen bottom once per batch
     lora_layers: list[int] | None = None
-    init_seed: int = 0  # seeds LoRA's and a new classifier head's random init: every party and rerun starts alike
+    # seeds LoRA's and a new classifier head's random init (each its own stream): every party and rerun starts alike
+    init_seed: int = Field(0, ge=0, lt=2**64)
     magnitude_fraction: float = Field(0.1, gt=0.0, le=1.0)
     magnitude_keep: Literal["largest", "smallest"] = "largest"
 
@@ -152,7 +154,7 @@ def select_trainable(model: torch.nn.Module, config: TrainableConfig) -> tuple[t
         linear = _linear_names(model)  # before peft wraps the model
         try:
             with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG stream untouched
-                torch.manual_seed(config.init_seed)
+                torch.manual_seed(streams.lora_init(config.init_seed))
                 model = get_peft_model(model, lora)
         except ValueError as err:  # peft: "Target modules {...} not found in the base model", or unsupported
             raise ModelLoadError(

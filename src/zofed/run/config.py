@@ -128,7 +128,7 @@ class TrainSection(_Section):
     eval_every: int = Field(50, ge=1)
     eval_batch_size: int = Field(32, ge=1)
     checkpoint_every: int = Field(50, ge=1)
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**64)  # keys every random stream of the run (zofed.streams)
     # A simulation speedup for a model whose blocks are all frozen (the label head alone): each example runs
     # through the body once per run and every loss reads the head off its remembered features. The compute a
     # run reports is still what each client would run.
