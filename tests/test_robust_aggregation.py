@@ -360,26 +360,34 @@ def test_agreement_screening_regresses_out_a_common_mode_that_half_the_honest_cl
     assert all(s < 0.0 for s in corrected[:6]) and corrected[6] > 0.0
 
 
-def test_an_agreement_screened_run_refuses_sign_flippers_keeps_honest_clients_and_replays(tiny_workspace, tmp_path):
+def test_an_agreement_screened_run_refuses_sign_flippers_more_than_honest_clients_and_replays(tiny_workspace, tmp_path):
     from zofed import streams
     from zofed.run.replay import replay_run
 
-    out = tmp_path / "agree"
-    # train.seed=6: a draw the screen sorts cleanly. On this tiny model it refuses some honest uplinks under other
-    # draws (seeds 0-4 and 7 here; docs/security.md measures the rate on AG News), so the seed is part of the pin.
-    config = tiny_federated_config(tiny_workspace, out, "federation.method=zo-seeds", "federation.local_steps=16",
-                                   "zo.queries=2", "federation.rounds=6", "federation.partition.alpha=100",
-                                   "attack.kind=sign-flip", "attack.fraction=0.5", "federation.screen_threshold=0",
-                                   "federation.screen_score=agreement", "train.seed=6")
-    run_federated(config, show_progress=False)
-    attackers = set(streams.attackers(config.train.seed).choice(4, size=2, replace=False).tolist())
-    rounds = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["event"] == "round"]
-    refused = [x["client"] for r in rounds for x in r["rejected"]]
-    sent_by_attackers = sum(c in attackers for r in rounds for c in r["clients"])
-    assert refused and set(refused) <= attackers  # no honest uplink refused
-    assert len(refused) > sent_by_attackers / 2  # most of the flipped ones are
-    assert all(x["reason"].startswith("screened: scalars' rank correlation") for r in rounds for x in r["rejected"])
-    assert replay_run(out).matches
+    # On this tiny model the screen also refuses some honest uplinks, more under some draws than others
+    # (docs/security.md measures the rate on AG News), so the claim is about rates pooled over three run seeds: the
+    # flipped uplinks are refused far more often than the honest ones.
+    counts = np.zeros((2, 2))  # [flipped, honest] x [sent, refused]
+    for seed in range(3):
+        out = tmp_path / f"agree{seed}"
+        config = tiny_federated_config(tiny_workspace, out, "federation.method=zo-seeds", "federation.local_steps=16",
+                                       "zo.queries=2", "federation.rounds=6", "federation.partition.alpha=100",
+                                       "attack.kind=sign-flip", "attack.fraction=0.5", "federation.screen_threshold=0",
+                                       "federation.screen_score=agreement", f"train.seed={seed}")
+        run_federated(config, show_progress=False)
+        attackers = set(streams.attackers(seed).choice(4, size=2, replace=False).tolist())
+        rounds = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+                  if r["event"] == "round"]
+        for c in (c for r in rounds for c in r["clients"]):
+            counts[int(c not in attackers), 0] += 1
+        for c in (x["client"] for r in rounds for x in r["rejected"]):
+            counts[int(c not in attackers), 1] += 1
+        assert all(x["reason"].startswith("screened: scalars' rank correlation")
+                   for r in rounds for x in r["rejected"])
+    flipped_refused, honest_refused = counts[:, 1] / counts[:, 0]
+    assert flipped_refused > 0.5  # most of the flipped ones are refused ...
+    assert honest_refused <= flipped_refused / 2  # ... and honest ones far less often
+    assert replay_run(tmp_path / "agree0").matches
     with pytest.raises(ConfigError, match="agreement checks a client's scalars"):
         tiny_federated_config(tiny_workspace, tmp_path / "bad", "federation.method=fedavg",
                               "federation.screen_threshold=0", "federation.screen_score=agreement")
