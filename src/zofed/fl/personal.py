@@ -32,6 +32,7 @@ import torch
 
 from zofed import streams
 from zofed.zo.perturb import Perturbation
+from zofed.zo.reduce import rms as fixed_order_rms
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,8 @@ class MomentumTilt:
         return cls(list(torch.split(values, [t.numel() for t in like])), weight)
 
     def rms(self) -> list[float]:
-        return [float(b.double().norm()) / max(1, b.numel()) ** 0.5 for b in self.buffers]
+        """Each block's RMS, the same bits on the client that draws the tilted noise and the server that replays it."""
+        return [fixed_order_rms(b) for b in self.buffers]
 
 
 def tensor_blocks(tensors: Sequence[torch.Tensor], blocks: int = 0) -> np.ndarray:

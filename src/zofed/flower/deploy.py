@@ -23,6 +23,7 @@ from zofed.flower.config import (
     num_supernodes,
     resolve_run_config,
 )
+from zofed.run.checkpoint import write_atomic_text
 from zofed.run.config import ConfigError
 from zofed.run.federated_config import FederatedConfig
 
@@ -57,5 +58,5 @@ def write_app(config: FederatedConfig, directory: str | Path, *, resume: bool = 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "pyproject.toml"
-    path.write_text(render_app_pyproject(config, resume=resume), encoding="utf-8")
+    write_atomic_text(path, render_app_pyproject(config, resume=resume))
     return path

@@ -168,7 +168,8 @@ class FederatedRun:
 
             def on_round(record: dict) -> None:
                 self.write_round(record)
-                shown = f"loss {record['train_loss']:.3f}"
+                private = self.config.federation.dp_noise is not None  # no client's loss leaves it
+                shown = "loss withheld (DP)" if private else f"loss {record['train_loss']:.3f}"
                 if "eval_accuracy" in record:
                     shown += f" | eval acc {record['eval_accuracy']:.4f}"
                 elif "eval_loss" in record:

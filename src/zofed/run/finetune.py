@@ -16,7 +16,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from zofed import streams
 from zofed.data.generation import showing_generation
-from zofed.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, write_atomic_text
+from zofed.run.checkpoint import (
+    find_checkpoint,
+    load_checkpoint,
+    remove_stale_temporaries,
+    save_checkpoint,
+    write_atomic_text,
+)
 from zofed.run.config import ConfigError, FinetuneConfig
 from zofed.run.federated_config import FederatedConfig
 from zofed.run.metrics import MetricsLog
@@ -54,6 +60,8 @@ def finetune(config: FinetuneConfig, *, resume: bool = False, show_progress: boo
             raise ConfigError(f"{out} already holds a run; pass --resume to continue it or choose another out_dir")
         config = check_resumed_config(config, out / "config.yaml")
     out.mkdir(parents=True, exist_ok=True)
+    for directory in (out, out / "final"):  # what a killed sitting left half-written
+        remove_stale_temporaries(directory)
     setup = setup or build(config)
     config = with_prompt_format(config, setup.task)
     dump_config(config, out / "config.yaml")
