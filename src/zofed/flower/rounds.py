@@ -19,6 +19,7 @@ from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 
 from zofed.fl.client import load_tensors_
+from zofed.fl.protocol import uplink_max_bytes
 from zofed.fl.rounds import Failure, RoundFailed, Summed, run_round
 from zofed.flower.messages import QUERY, TRAIN, error_reason, flower_nbytes, read_partition, read_uplink, train_content
 from zofed.flower.secure import secure_deliver
@@ -126,8 +127,9 @@ def flower_round(grid: Grid, run: FederatedRun, round_id: int, client_node: dict
 
     def deliver_securely(round_id: int, downlinks) -> dict[int, bytes | Failure | Summed]:
         largest = max(len(s.train) for s in run.splits)  # SecAgg+ weighs each client by its examples up to this
-        secure = secure_deliver(grid, round_id, downlinks, client_node,
-                                run.config.flower.secagg_range, largest, timeout)
+        local = run.server.round_plan(round_id)  # a clear part longer than this plan's uplink is refused unread
+        secure = secure_deliver(grid, round_id, downlinks, client_node, run.config.flower.secagg_range, largest,
+                                timeout, uplink_max_bytes(local.local_steps, local.queries))
         failed = sum(isinstance(r, Failure) for r in secure.replies.values())
         counts["client_errors"] += failed
         counts["secagg_clipped"] = secure.clipped

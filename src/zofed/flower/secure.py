@@ -133,9 +133,10 @@ class SecureRound:
 
 def secure_deliver(grid: Grid, round_id: int, downlinks: Sequence[tuple[int, bytes]],
                    client_node: dict[int, int], scalar_range: float, max_examples: int,
-                   timeout: float) -> SecureRound:
+                   timeout: float, max_uplink_bytes: int = 64 * 2**20) -> SecureRound:
     """Run one round's messages through SecAgg+; the lowest contributing client id carries the summed uplink,
-    the other contributors are `Summed` into it, and a client left out of the sum is a `Failure`."""
+    the other contributors are `Summed` into it, and a client left out of the sum is a `Failure`. A clear part
+    longer than `max_uplink_bytes` (the round plan's bound, protocol.uplink_max_bytes) is refused unread."""
     from zofed.fl.protocol import decode
     from zofed.fl.rounds import Failure, Summed
 
@@ -159,7 +160,8 @@ def secure_deliver(grid: Grid, round_id: int, downlinks: Sequence[tuple[int, byt
         parts = sorted(((node_client[node], res) for node, res in strategy.results), key=lambda part: part[0])
         try:
             mean = np.asarray(parameters_to_ndarrays(parts[0][1].parameters)[0], np.float64)
-            headers = [decode(res.metrics["header"], expect_round=round_id) for _, res in parts]
+            headers = [decode(res.metrics["header"], expect_round=round_id, max_bytes=max_uplink_bytes)
+                       for _, res in parts]
             losses = [float(res.metrics["train-loss"]) for _, res in parts]
             clipped = sum(int(res.metrics["clipped"]) for _, res in parts)
             uplink = summed_uplink(headers, [c for c, _ in parts], mean, losses)
