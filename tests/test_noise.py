@@ -10,8 +10,20 @@ import math
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-from zofed.zo.noise import CHUNK, GAUSSIAN_COUNTER, NoiseSource, derive_seed, gaussian, words, words_of_seeds
+from zofed.zo import noise
+from zofed.zo.noise import (
+    CHUNK,
+    GAUSSIAN_COUNTER,
+    NoiseSource,
+    _counters,
+    derive_seed,
+    gaussian,
+    words,
+    words_of_seeds,
+)
 from zofed.zo.perturb import Perturbation, add_directions_, add_seed_rows_
 
 # (seed, tensor, first word) -> the next four words as uint32
@@ -142,3 +154,65 @@ def test_pooled_seed_rows_add_what_seed_by_seed_directions_add_bit_for_bit():
             assert not torch.equal(pooled[0], start[0])
     with pytest.raises(ValueError, match="without scales"):
         add_seed_rows_(start, seeds, coefficients, Perturbation(scales=[1.0] * len(sizes)))
+
+
+def _rademacher_reference(seed: int, tensor: int, numel: int) -> torch.Tensor:
+    """One tensor's Rademacher noise from a single unchunked `words` call (the words' bits, most significant first)."""
+    w = words(seed, tensor, 0, (numel + 31) // 32).to(torch.int64) & 0xFFFFFFFF
+    bits = (w.unsqueeze(1) >> torch.arange(31, -1, -1)) & 1
+    return (1.0 - 2.0 * bits.to(torch.float32)).reshape(-1)[:numel]
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_noise_made_chunk_by_chunk_in_reused_scratch_equals_one_unchunked_evaluation(monkeypatch, cache):
+    """Small chunks, so one tensor spans many: each chunk's words are hashed in the source's reused scratch (or
+    kept, with the cache) and must be the same bits as one call over the whole tensor."""
+    monkeypatch.setattr(noise, "CHUNK", 256)
+    n = 256 * 9 + 100
+    for kind, reference in (("rademacher", _rademacher_reference(21, 3, n)), ("gaussian", gaussian(21, 3, 0, n))):
+        source = NoiseSource(kind, cache_words=cache)
+        for _ in range(2):  # the second pass reads the cache, when there is one
+            out = [torch.zeros(5), torch.zeros(5), torch.zeros(5), torch.zeros(n)]
+            add_directions_(out, [(21, 1.0)], Perturbation(kind=kind), source)
+            assert torch.equal(out[3], reference)
+
+
+def test_counters_wrap_like_uint32_across_the_signed_boundary():
+    for start in (2**31 - 5, 2**32 - 3, 2**31, 0, 3 * 2**32 + 7):
+        got = _counters(start, 10, "cpu").to(torch.int64) & 0xFFFFFFFF
+        assert got.tolist() == [(start + j) & 0xFFFFFFFF for j in range(10)]
+    assert [int(x) & 0xFFFFFFFF for x in words(8, 2, 2**31 - 3, 6)] == [reference_word(8, 2, 2**31 - 3 + j)
+                                                                       for j in range(6)]
+
+
+class _NewStorageBytes(TorchDispatchMode):
+    """Adds up the bytes of every tensor an operation returns in new memory (views and in-place or out= results
+    share an argument's memory and are not counted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        shared = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        self.bytes += sum(t.untyped_storage().nbytes() for t in tree_leaves(out)
+                          if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in shared)
+        return out
+
+
+def test_a_rademacher_pass_allocates_no_tensor_per_chunk(monkeypatch):
+    """The scratch is the source's own fixed buffers: a pass over a tensor of many chunks allocates nothing, so
+    the memory a step needs does not grow with the largest tensor (nor fragments the heap chunk by chunk)."""
+    monkeypatch.setattr(noise, "CHUNK", 1024)
+    source = NoiseSource("rademacher")
+    tensors = [torch.zeros(1024 * 40 + 77), torch.zeros(300)]
+    with _NewStorageBytes() as counted:
+        add_directions_(tensors, [(4, 1e-3), (9, -2e-3)], Perturbation(), source)
+    assert counted.bytes == 0
+    assert tensors[0].abs().min() > 0  # the pass did write noise
+
+
+def test_a_rademacher_chunk_larger_than_the_scratch_is_refused():
+    with pytest.raises(ValueError, match="at most"):
+        NoiseSource("rademacher").chunk(1, 0, 0, CHUNK + 64)

@@ -1,10 +1,12 @@
 """The ZO engine on small tensors: seeded noise, perturb/restore, the estimator, optimizers and their state."""
 
+import gc
 import math
 
 import pytest
 import torch
 
+from zofed.zo import noise
 from zofed.zo.noise import CHUNK, NoiseSource, chunk_bounds, derive_seed
 from zofed.zo.optim import OPTIMIZER_NAMES, OptState, learning_rate, magnitude_masks, make_optimizer
 from zofed.zo.perturb import Perturbation, add_directions_
@@ -255,3 +257,36 @@ def test_the_forward_estimator_shares_one_centre_pass_and_restores_the_weights(e
         assert g == pytest.approx((plus - centre) / 1e-2, rel=1e-4)
     with pytest.raises(ValueError, match="unknown ZO estimator"):
         zo_step(x, loss, MeZO(), MeZO().init(x), seed=3, eps=1e-2, lr=0.0, estimator="backward")
+
+
+def _live_tensor_bytes() -> int:
+    """The bytes of every tensor memory alive in the process (each storage once)."""
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor):  # type(), not isinstance: some module proxies warn on __class__
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def test_an_in_place_step_holds_nothing_that_grows_with_the_model_through_its_forward_passes(monkeypatch):
+    """Beyond inference, an in-place step holds its noise source's fixed scratch during the loss evaluations:
+    nothing proportional to the trainable tensors (a word cache held 1/32 of their bytes through every pass)."""
+    monkeypatch.setattr(noise, "CHUNK", 1024)
+
+    def held_during_loss(numel: int) -> int:
+        tensors = [torch.zeros(numel), torch.zeros(300)]
+        opt = make_optimizer("mezo")
+        before, held = _live_tensor_bytes(), []
+
+        def loss() -> float:
+            held.append(_live_tensor_bytes() - before)
+            return float(tensors[0][0])
+
+        zo_step(tensors, loss, opt, opt.init(tensors), seed=3, eps=1e-3, lr=1e-2)
+        return max(held)
+
+    small, large = held_during_loss(1024 * 2), held_during_loss(1024 * 64)
+    assert large == small
+    assert small <= 4 * 1024 * 2  # the chunk's floats plus its words and the hash's scratch (1/32 each)

@@ -65,16 +65,18 @@ def _float_bits(value: float) -> int:
 _M1, _M2 = _int32(0x7FEB352D), _int32(0x846CA68B)
 
 
-def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of uint32 values held in int32 (torch's >> on int32 keeps the sign)."""
-    return torch.bitwise_right_shift(x, k).bitwise_and_((1 << (32 - k)) - 1)
+def _shr(x: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Logical right shift of uint32 values held in int32 (torch's >> on int32 keeps the sign), into `out`."""
+    return torch.bitwise_right_shift(x, k, out=out).bitwise_and_((1 << (32 - k)) - 1)
 
 
-def _mix_(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 (Wellons' integer hash prospector), in place on int32 values read as uint32."""
-    x.bitwise_xor_(_shr(x, 16)).mul_(_M1)
-    x.bitwise_xor_(_shr(x, 15)).mul_(_M2)
-    return x.bitwise_xor_(_shr(x, 16))
+def _mix_(x: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """lowbias32 (Wellons' integer hash prospector), in place on int32 values read as uint32; `scratch` (x's shape)
+    holds the shifted copies, so a caller with a reusable one allocates nothing."""
+    tmp = torch.empty_like(x) if scratch is None else scratch
+    x.bitwise_xor_(_shr(x, 16, tmp)).mul_(_M1)
+    x.bitwise_xor_(_shr(x, 15, tmp)).mul_(_M2)
+    return x.bitwise_xor_(_shr(x, 16, tmp))
 
 
 def tensor_key(seed: int, tensor_index: int) -> tuple[int, int]:
@@ -83,17 +85,31 @@ def tensor_key(seed: int, tensor_index: int) -> tuple[int, int]:
     return _int32(key), _int32(key >> 32)
 
 
+def _counters_(out: torch.Tensor, start: int) -> torch.Tensor:
+    """Fills flat int32 `out` with the counters start, start + 1, ... modulo 2**32 (as two's complement), in place:
+    the signed values run on by one except where the unsigned ones cross 2**31, so one arange on each side."""
+    first, n = start & _MASK32, out.numel()
+    head = min(n, ((1 << 31) - first) % (1 << 32) or n)
+    low = _int32(first)
+    torch.arange(low, low + head, dtype=torch.int32, out=out[:head])
+    if head < n:
+        torch.arange(-(1 << 31), -(1 << 31) + n - head, dtype=torch.int32, out=out[head:])
+    return out
+
+
 def _counters(start: int, count: int, device: torch.device | str) -> torch.Tensor:
-    x = torch.arange(start, start + count, dtype=torch.int64, device=device).bitwise_and_(_MASK32)
-    return x.sub_(x.bitwise_right_shift(31).bitwise_left_shift_(32)).to(torch.int32)  # uint32 -> int32, exactly
+    return _counters_(torch.empty(count, dtype=torch.int32, device=device), start)
 
 
-def words(seed: int, tensor_index: int, start: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Random words `start` .. `start + count - 1` of one tensor's stream, as int32 (the bits are what count)."""
+def words(seed: int, tensor_index: int, start: int, count: int, device: torch.device | str = "cpu", *,
+          out: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """Random words `start` .. `start + count - 1` of one tensor's stream, as int32 (the bits are what count).
+    Written into `out` when given (flat int32 of `count` values, on `device`), with `scratch` (the same) for the
+    hash's shifted copies: a caller that passes both allocates nothing."""
     k0, k1 = tensor_key(seed, tensor_index)
-    x = _counters(start, count, device)
-    _mix_(x.bitwise_xor_(k0))
-    return _mix_(x.bitwise_xor_(k1))
+    x = _counters_(torch.empty(count, dtype=torch.int32, device=device) if out is None else out, start)
+    _mix_(x.bitwise_xor_(k0), scratch)
+    return _mix_(x.bitwise_xor_(k1), scratch)
 
 
 def words_of_seeds(seeds: Sequence[int], tensor_index: int, start: int, count: int,
@@ -109,6 +125,7 @@ def words_of_seeds(seeds: Sequence[int], tensor_index: int, start: int, count: i
 class NoiseSource:
     """Writes seeded noise chunks into a reusable buffer on one device; one per thread of work.
 
+    Its scratch is fixed (a chunk's floats, words and the hash's shifted copies), whatever the tensors' sizes.
     With `cache_words=True` the random words behind Rademacher chunks are kept (1 bit per element, 1/32 of the
     parameters' memory) so the several passes of one ZO step hash them only once; `clear()` drops them.
     """
@@ -120,6 +137,9 @@ class NoiseSource:
         self.device = torch.device(device)
         self._bits = torch.empty(CHUNK, dtype=torch.int32, device=self.device)
         self._shifts = torch.arange(32, dtype=torch.int32, device=self.device)
+        # one chunk's words and the hash's shifted copies: reused, so a pass over a model allocates nothing per chunk
+        self._words = torch.empty(CHUNK // 32, dtype=torch.int32, device=self.device)
+        self._scratch = torch.empty(CHUNK // 32, dtype=torch.int32, device=self.device)
         self._cache: dict[tuple[int, int, int], torch.Tensor] | None = {} if cache_words else None
 
     def clear(self) -> None:
@@ -130,9 +150,12 @@ class NoiseSource:
         key = (seed, tensor_index, start)
         if self._cache is not None and key in self._cache:
             return self._cache[key]
-        w = words(seed, tensor_index, start, count, self.device)
-        if self._cache is not None:
-            self._cache[key] = w
+        if self._cache is None:
+            return words(seed, tensor_index, start, count, self.device, out=self._words[:count],
+                         scratch=self._scratch[:count])
+        w = words(seed, tensor_index, start, count, self.device, out=torch.empty(count, dtype=torch.int32,
+                  device=self.device), scratch=self._scratch[:count])
+        self._cache[key] = w
         return w
 
     def chunk(self, seed: int, tensor_index: int, start: int, size: int, scale: float = 1.0) -> torch.Tensor:
@@ -142,6 +165,8 @@ class NoiseSource:
             raise ValueError(f"noise chunks start on a multiple of 64 elements, not at {start}")
         if self.kind == "gaussian":
             return gaussian(seed, tensor_index, start, size, self.device).mul_(scale)
+        if size > CHUNK:
+            raise ValueError(f"a Rademacher chunk holds at most {CHUNK} elements (its reused buffer), not {size}")
         # Bit k of a word becomes the sign bit of a float whose magnitude bits are |scale|: one word yields 32
         # entries of +-scale with integer operations only.
         count = (size + 31) // 32
