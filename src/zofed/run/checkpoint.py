@@ -17,16 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 
-def fsync_directory(directory: Path) -> None:
-    """Flush `directory`'s entries to disk: a rename is durable only once its directory is."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file's bytes, or a directory's entries, to disk: a rename is durable only once its directory is."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -78,7 +70,7 @@ def write_atomic_text(path: Path, data: str | bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_directory(path.parent)
+    fsync_path(path.parent)
 
 
 def append_line(path: Path, line: str) -> None:
@@ -91,7 +83,7 @@ def append_line(path: Path, line: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     if created:
-        fsync_directory(path.parent)
+        fsync_path(path.parent)
 
 
 def save_checkpoint(directory: Path, tensors: dict[str, dict[str, torch.Tensor]], meta: dict[str, Any]) -> None:
@@ -103,13 +95,13 @@ def save_checkpoint(directory: Path, tensors: dict[str, dict[str, torch.Tensor]]
     tmp.mkdir(parents=True)
     for stem, named in tensors.items():
         save_file({k: v.contiguous() for k, v in named.items()}, str(tmp / f"{stem}.safetensors"))
-        _fsync_file(tmp / f"{stem}.safetensors")
+        fsync_path(tmp / f"{stem}.safetensors")
     write_atomic_text(tmp / "meta.json", json.dumps(meta, indent=2))  # flushes tmp/ with it
     if directory.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.replace(directory, old)
     os.replace(tmp, directory)
-    fsync_directory(directory.parent)  # the new checkpoint is in place before the old one goes
+    fsync_path(directory.parent)  # the new checkpoint is in place before the old one goes
     shutil.rmtree(old, ignore_errors=True)
 
 
