@@ -156,15 +156,18 @@ def fidelity(batch_size: int, seq_len: int, seeds: int = 32) -> list[dict]:
     return out
 
 
-def _peak_rss_worker(row: dict, batch_size: int, seq_len: int, mode: str) -> dict:
-    """Runs in its own process: load, read every weight, reset the peak, run three iterations, report VmHWM.
+def _peak_rss_worker(row: dict, batch_size: int, seq_len: int, mode: str, read_first: bool) -> dict:
+    """Runs in its own process: load, read every weight (`read_first`), reset the peak, run three iterations,
+    report VmHWM.
 
     The weights are views of a mapped file, resident only once read: inference leaves the embedding rows its batch
     never reads on disk, a step writes (so holds) every trainable value. Reading them all first puts both modes on
-    the same resident model, so the ratio measures what the step itself adds."""
+    the same resident model, so the ratio measures what the step itself adds; without it, the ratio is against the
+    model as inference holds it."""
     model, trainable, task, batch = build(row, batch_size, seq_len)
-    for weight in model.state_dict().values():
-        weight.sum()
+    if read_first:
+        for weight in model.state_dict().values():
+            weight.sum()
     tensors = trainable.tensors()
     opt = make_optimizer("mezo")
     state = opt.init(tensors)
@@ -181,11 +184,12 @@ def _peak_rss_worker(row: dict, batch_size: int, seq_len: int, mode: str) -> dic
     return {"peak_mib": round(hwm_kib / 1024, 1)}
 
 
-def peak_rss(row: dict, batch_size: int, seq_len: int, mode: str, processes: int = 2) -> float:
+def peak_rss(row: dict, batch_size: int, seq_len: int, mode: str, read_first: bool, processes: int = 2) -> float:
     """Smallest peak over a few fresh processes: allocator noise only ever adds to a peak. glibc's mmap and trim
     thresholds are pinned at their starting 128 KiB: left alone, it raises them as blocks are freed and keeps tens
     of MiB of freed memory resident, by a history that differs from run to run."""
-    spec = json.dumps({"row": row, "batch_size": batch_size, "seq_len": seq_len, "mode": mode})
+    spec = json.dumps({"row": row, "batch_size": batch_size, "seq_len": seq_len, "mode": mode,
+                       "read_first": read_first})
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
     peaks = []
     for _ in range(processes):
@@ -205,7 +209,7 @@ def write_results(results: dict, stem: str) -> None:
     meta = results["meta"]
     head = ("| model | trainable | frozen dtype | noise | impl | batch x seq | trainable params | two forwards (s) | "
             "ZO step (s) | step / two forwards | inference peak (MiB) | ZO peak (MiB) | ZO / inference memory | "
-            "load (1 min) | threads | weights read first |")
+            "load (1 min) | threads | weights read first | ZO / inference memory, as loaded |")
     lines = [f"# ZO step cost ({meta['machine']})", "",
              f"torch {meta['torch']}, torch threads per row, device {meta.get('device', 'cpu')}, MeZO update, "
              "eps 1e-3, "
@@ -214,15 +218,18 @@ def write_results(results: dict, stem: str) -> None:
              "of it is resident at its peak, while inference leaves in the mapped weights file the embedding rows "
              "its batch never reads. Rows with weights read first read every weight in both modes before the peak "
              "is reset, with glibc's thresholds pinned, so their ratio is what the step adds; the other rows' "
-             "all-parameter ratios include the unread rows and glibc's run-to-run retention.", "", head,
-             "|" + "---|" * 16]
+             "all-parameter ratios include the unread rows and glibc's run-to-run retention. The as-loaded column "
+             "(measured with the weights-read-first rows) is the same step against inference of the model as "
+             "inference holds it, unread rows and all: what a user's process adds.", "", head,
+             "|" + "---|" * 17]
     for r in results.get("rows", []):
         lines.append(f"| {r['model']} | {r['trainable']} | {r.get('dtype', 'float32')} | {r['noise']} | {r['impl']} "
                      f"| {r['batch']}x{r['seq_len']} | {r['trainable_parameters']:,} | {r['two_forwards_s']} "
                      f"| {r['step_s']} | **{r['step_over_two_forwards']}** | {r.get('inference_peak_mib', '-')} "
                      f"| {r.get('zo_peak_mib', '-')} | {_bold(r.get('client_rss_over_inference'))} "
                      f"| {r.get('load_1min', '-')} | {r.get('threads', meta['threads'])} "
-                     f"| {'yes' if r.get('weights_read_first') else 'no'} |")
+                     f"| {'yes' if r.get('weights_read_first') else 'no'} "
+                     f"| {_bold(r.get('client_rss_over_inference_as_loaded'))} |")
     if results.get("fidelity"):
         lines += ["", "## bf16-stored frozen weights against fp32: projected gradients on the benchmark batch", "",
                   "| trainable | seeds | cosine | relative error | fp32 RMS | bf16 RMS |", "|---|---|---|---|---|---|"]
@@ -245,7 +252,8 @@ def main() -> None:
     DEVICE = resolve_device(args.device)
     if args.worker:
         spec = json.loads(args.worker)
-        print(json.dumps(_peak_rss_worker(spec["row"], spec["batch_size"], spec["seq_len"], spec["mode"])))
+        print(json.dumps(_peak_rss_worker(spec["row"], spec["batch_size"], spec["seq_len"], spec["mode"],
+                                          spec["read_first"])))
         return
     stem = "zo_step" if DEVICE.type == "cpu" else "zo_step_gpu"
     path = RESULTS / f"{stem}.json"
@@ -268,10 +276,14 @@ def main() -> None:
         result = {**row, "batch": args.batch, "seq_len": args.seq_len,
                   **time_row(row, args.batch, args.seq_len, args.repeats)}
         if row["impl"] == "zofed" and DEVICE.type == "cpu":  # resident memory is the CPU's measure
-            inference = peak_rss(row, args.batch, args.seq_len, "inference")
-            zo = peak_rss(row, args.batch, args.seq_len, "zo")
+            inference = peak_rss(row, args.batch, args.seq_len, "inference", read_first=True)
+            zo = peak_rss(row, args.batch, args.seq_len, "zo", read_first=True)
+            as_loaded = [peak_rss(row, args.batch, args.seq_len, mode, read_first=False)
+                         for mode in ("inference", "zo")]
             result.update(inference_peak_mib=inference, zo_peak_mib=zo,
-                          client_rss_over_inference=round(zo / inference, 3), weights_read_first=True)
+                          client_rss_over_inference=round(zo / inference, 3), weights_read_first=True,
+                          inference_peak_as_loaded_mib=as_loaded[0], zo_peak_as_loaded_mib=as_loaded[1],
+                          client_rss_over_inference_as_loaded=round(as_loaded[1] / as_loaded[0], 3))
         print(json.dumps(result), flush=True)
         kept[_row_id(row)] = result
         rows = [kept[_row_id(r)] for r in ROWS if _row_id(r) in kept]
