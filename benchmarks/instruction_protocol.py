@@ -12,9 +12,8 @@ import torch
 from ranking_protocol import METHOD_OPTIONS  # benchmarks/ is the script's own directory, so first on sys.path
 
 from zofed.fl.methods import get_method
-from zofed.fl.plan import FederationPlan
 from zofed.run.config import load_config
-from zofed.run.federated_config import FederatedConfig
+from zofed.run.federated_config import FederatedConfig, federation_plan
 from zofed.run.setup import build_model, prefix_cache
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,8 +81,8 @@ def per_client_round_cost(row: str) -> float:
         return 0.0
     config = load_config(None, [*COMMON, *METHOD_OPTIONS.get(method, []), *ROW_OPTIONS.get(row, []),
                                 f"federation.method={method}"], schema=FederatedConfig)
-    plan = FederationPlan.from_config(config, CLIENTS, pass_fraction(row) if config.zo.prefix_cache else 1.0)
-    return get_method(method).forward_passes(plan.round(0))
+    plan = federation_plan(config, CLIENTS, pass_fraction(row) if config.zo.prefix_cache else 1.0)
+    return get_method(method).forward_passes(get_method(plan.method).round_plan(plan.round(0), plan.sampling))
 
 
 @functools.cache

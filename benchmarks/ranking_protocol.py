@@ -8,9 +8,8 @@ from pathlib import Path
 import numpy as np
 
 from zofed.fl.methods import ServerDefault, get_method
-from zofed.fl.plan import FederationPlan
 from zofed.run.config import load_config
-from zofed.run.federated_config import FederatedConfig
+from zofed.run.federated_config import FederatedConfig, federation_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
@@ -194,8 +193,8 @@ def per_client_round_cost(row: str, trainable: str) -> float:
     """Forward-pass equivalents one client spends in a round of this row, as its method counts them."""
     overrides, fraction = row_overrides(row, trainable)
     config = load_config(None, [*COMMON, *overrides, f"federation.method={ROWS[row][0]}"], schema=FederatedConfig)
-    plan = FederationPlan.from_config(config, CLIENTS, fraction)  # the plan a run of this row follows
-    return get_method(ROWS[row][0]).forward_passes(plan.round(0))
+    plan = federation_plan(config, CLIENTS, fraction)  # the plan a run of this row follows
+    return get_method(ROWS[row][0]).forward_passes(get_method(plan.method).round_plan(plan.round(0), plan.sampling))
 
 
 def rounds_for(row: str, trainable: str, budget: float) -> int:

@@ -78,12 +78,11 @@ def aggregation_worker(trainable: str, shared: bool, per_round: int) -> dict:
     """Server seconds per round (receive, rebuild, observe, optimizer) for `per_round` clients a round."""
     import numpy as np
 
-    from zofed.fl.plan import FederationPlan
     from zofed.fl.protocol import ClientUpdate, encode
     from zofed.fl.roles import ServerRole
     from zofed.fl.server import RoundInbox
     from zofed.run.config import load_config
-    from zofed.run.federated_config import FederatedConfig
+    from zofed.run.federated_config import FederatedConfig, federation_plan
     from zofed.run.setup import build
 
     torch.set_num_threads(1)
@@ -92,7 +91,7 @@ def aggregation_worker(trainable: str, shared: bool, per_round: int) -> dict:
         f"federation.clients_per_round={per_round}", f"federation.partition.num_clients={per_round}",
         f"federation.local_steps={AGG_SETTINGS['local_steps']}"], schema=FederatedConfig)
     setup = build(config)
-    plan = FederationPlan.from_config(config, per_round)
+    plan = federation_plan(config, per_round)
     server = ServerRole(plan, setup.trainable.tensors(), setup.trainable.masks,
                         config.federation.server_optimizer.build("zofed", AGG_SETTINGS["rounds"]))
     del setup

@@ -64,11 +64,11 @@ def test_a_dumped_federated_config_loads_again_and_resumes(tmp_path):
 
 
 def test_an_unset_estimator_is_the_methods_own_and_is_stored_as_such(tmp_path):
-    from zofed.fl.plan import FederationPlan
+    from zofed.run.federated_config import federation_plan
 
     def plan(*overrides):
         cfg = load_config(None, list(overrides), schema=FederatedConfig)
-        return cfg, FederationPlan.from_config(cfg, num_clients=10)
+        return cfg, federation_plan(cfg, num_clients=10)
 
     # zofed: one-sided queries around a shared centre once a step has several queries; one query stays central
     assert plan("zo.queries=4")[1].estimator == "forward"

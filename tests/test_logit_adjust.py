@@ -10,8 +10,9 @@ from toy_federation import tiny_federated_config, toy_context
 
 from zofed.data.tasks import label_shift
 from zofed.fl.methods.first_order import run_first_order_client
-from zofed.fl.plan import FederationPlan, LocalTraining
+from zofed.fl.plan import LocalTraining
 from zofed.run.config import ConfigError
+from zofed.run.federated_config import federation_plan
 from zofed.zo.prefix import PrefixCache, first_trainable_layer
 
 TOP = [r"layers\.1\..*norm\.weight$", r"^model\.norm\.weight$"]
@@ -66,7 +67,7 @@ def test_a_one_class_client_pushes_the_shared_model_towards_its_class_far_less_w
 
 def test_the_round_plan_carries_the_strength_and_a_causal_lm_run_refuses_it(tiny_workspace, tmp_path):
     config = tiny_federated_config(tiny_workspace, tmp_path / "run", "federation.logit_adjust=0.5")
-    plan = FederationPlan.from_config(config, num_clients=4)
+    plan = federation_plan(config, num_clients=4)
     local = plan.round(0)
     assert local.logit_adjust == 0.5
     assert LocalTraining.from_config(local.to_config()).logit_adjust == 0.5  # what a Flower client decodes

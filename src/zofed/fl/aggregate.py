@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from zofed.fl.methods.base import Directions
 from zofed.fl.pooled import PooledTerms
 from zofed.fl.protocol import ClientUpdate
+from zofed.fl.updates import Directions
 from zofed.zo.perturb import Perturbation, add_directions_, add_seed_rows_
 from zofed.zo.reduce import l2_norm
 

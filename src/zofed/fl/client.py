@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,13 +17,11 @@ from zofed import streams
 from zofed.data.tasks import Encoded, Task, label_shift
 from zofed.fl.plan import LocalTraining
 from zofed.fl.protocol import ClientUpdate
+from zofed.fl.updates import StepSeeds
 from zofed.models.selection import TrainableParams
 from zofed.zo.perturb import Perturbation
 from zofed.zo.prefix import PrefixCache, first_trainable_layer
 from zofed.zo.step import zo_step
-
-if TYPE_CHECKING:
-    from zofed.fl.methods.base import StepSeeds
 
 
 @dataclass

@@ -1,14 +1,14 @@
 """What a federated run asks of its clients: the run's plan, and the round plan every client receives.
 
-`FederationPlan` is fixed for the whole run and built once from the config (`from_config`); each round's
-`LocalTraining` travels to the clients inside the downlink (`to_config` / `from_config`), so a client needs
-nothing but the downlink to train.
+`FederationPlan` is fixed for the whole run and built once from the config (`federation_plan` in
+run/federated_config.py); each round's `LocalTraining` travels to the clients inside the downlink (`to_config` /
+`from_config`), so a client needs nothing but the downlink to train. Both are plain data: the method adds its own
+settings to a round's plan (`Method.round_plan`, asked by the server role).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any
 
 from zofed.fl.personal import BlockSampling
 from zofed.zo.optim import MeZO, ZOAdam, ZOSGDMomentum, hyperparameters, make_optimizer
@@ -16,9 +16,6 @@ from zofed.zo.optim import MeZO, ZOAdam, ZOSGDMomentum, hyperparameters, make_op
 # Local optimizers a federated client can run: a fresh state each round, so the server replays them exactly from
 # the round's seeds and scalars. (ZO-AdaMU's annealing and Sparse MeZO's masks would need state across rounds.)
 FEDERATED_OPTIMIZERS = ("mezo", "zo-sgd-momentum", "zo-adam")
-
-if TYPE_CHECKING:
-    from zofed.run.federated_config import FederatedConfig
 
 
 @dataclass(frozen=True)
@@ -103,32 +100,8 @@ class FederationPlan:
     feature_cache: int = 0
     scalar_bits: int = 32
 
-    @classmethod
-    def from_config(cls, config: FederatedConfig, num_clients: int, pass_fraction: float = 1.0) -> FederationPlan:
-        """The plan of a configured run over `num_clients` clients (the partition decides how many);
-        `pass_fraction` is the share of blocks a perturbed pass runs (the setup's prefix cache knows it)."""
-        from zofed.fl.methods import get_method
-
-        fed, sampling = config.federation, config.federation.sampling
-        method = get_method(fed.method)
-        settings: dict[str, Any] = {
-            "method": method.round_method(sampling.personalize), "num_clients": num_clients,
-            "clients_per_round": fed.clients_per_round, "local_steps": fed.local_steps,
-            "lr": fed.first_order_lr if method.first_order else config.optimizer.lr, "eps": config.zo.eps,
-            "run_seed": config.train.seed, "queries": config.zo.queries, "batch_size": config.train.batch_size,
-            "noise": config.zo.noise, "pool_size": fed.pool_size,
-            "sampling": BlockSampling(**sampling.model_dump(exclude={"personalize"})),
-            "first_order_optimizer": fed.first_order_optimizer,
-            "pass_fraction": 1.0 if method.first_order else pass_fraction,
-            "estimator": config.zo.resolved_estimator(fed.method),
-            "optimizer": "mezo" if method.first_order else config.optimizer.name, "momentum": config.optimizer.momentum,
-            "beta1": config.optimizer.beta1, "beta2": config.optimizer.beta2, "logit_adjust": fed.logit_adjust,
-            "feature_cache": fed.feature_cache, "scalar_bits": fed.scalar_bits}
-        return cls(**settings)
-
     def round(self, round_id: int) -> LocalTraining:
-        from zofed.fl.methods import get_method
-
+        """The round plan before the method adds its own settings (`Method.round_plan`): the server role's
+        `round_plan` is what the clients receive."""
         shared = {f.name: getattr(self, f.name) for f in fields(LocalTraining) if hasattr(self, f.name)}
-        local = LocalTraining(**{**shared, "round_id": round_id})
-        return get_method(self.method).round_plan(local, self.sampling)
+        return LocalTraining(**{**shared, "round_id": round_id})

@@ -96,7 +96,8 @@ class ServerRole:
         self.last_seconds: dict[str, float] = {}  # the last aggregate's time by phase (rebuild, observe, optimizer)
 
     def round_plan(self, round_id: int) -> LocalTraining:
-        return self.plan.round(round_id)
+        """What the clients are asked this round: the run's plan for the round and the method's own settings."""
+        return self.method.round_plan(self.plan.round(round_id), self.plan.sampling)
 
     def sample(self, round_id: int) -> list[int]:
         return sample_clients(self.plan.run_seed, round_id, self.plan.num_clients, self.plan.clients_per_round)

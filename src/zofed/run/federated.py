@@ -44,7 +44,7 @@ from zofed.run.checkpoint import (
     write_atomic_text,
 )
 from zofed.run.config import ConfigError
-from zofed.run.federated_config import FederatedConfig
+from zofed.run.federated_config import FederatedConfig, federation_plan
 from zofed.run.metrics import CLIENT_LISTS, MetricsLog
 from zofed.run.screening import probe_loss_screen
 from zofed.run.setup import Setup, build, eval_indices, save_final
@@ -248,7 +248,7 @@ def make_server(config: FederatedConfig, trainable: TrainableParams, num_clients
         raise ConfigError(f"federation.feature_cache needs every block of the model frozen (the label head alone: "
                           f"trainable.mode=none trainable.label_head=true); this run's trainable tensors make a "
                           f"perturbed pass run {pass_fraction:.3f} of the blocks")
-    plan = FederationPlan.from_config(config, num_clients, pass_fraction)
+    plan = federation_plan(config, num_clients, pass_fraction)
     try:
         return ServerRole(plan, trainable.tensors(), trainable.masks,
                           optimizer or fed.server_optimizer.build(fed.method, fed.rounds),

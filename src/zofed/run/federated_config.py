@@ -13,6 +13,8 @@ from zofed.data.partition import PartitionConfig
 from zofed.fl.aggregate import AGGREGATORS
 from zofed.fl.attacks import AttackKind
 from zofed.fl.methods import get_method
+from zofed.fl.personal import BlockSampling
+from zofed.fl.plan import FederationPlan
 from zofed.fl.server_opt import SERVER_OPTIMIZERS, ServerOptimizer, make_server_optimizer
 from zofed.run.config import ConfigError, FinetuneConfig, _Section
 from zofed.run.recipes import Recipe, apply_recipe
@@ -336,3 +338,24 @@ CENTRALIZED_ONLY = {
     "train.eval_every": "set federation.eval_every (in rounds)",
     "train.checkpoint_every": "a federated run checkpoints after every round",
 }
+
+
+def federation_plan(config: FederatedConfig, num_clients: int, pass_fraction: float = 1.0) -> FederationPlan:
+    """The plan of a configured run over `num_clients` clients (the partition decides how many);
+    `pass_fraction` is the share of blocks a perturbed pass runs (the setup's prefix cache knows it)."""
+    fed, sampling = config.federation, config.federation.sampling
+    method = get_method(fed.method)
+    settings: dict[str, Any] = {
+        "method": method.round_method(sampling.personalize), "num_clients": num_clients,
+        "clients_per_round": fed.clients_per_round, "local_steps": fed.local_steps,
+        "lr": fed.first_order_lr if method.first_order else config.optimizer.lr, "eps": config.zo.eps,
+        "run_seed": config.train.seed, "queries": config.zo.queries, "batch_size": config.train.batch_size,
+        "noise": config.zo.noise, "pool_size": fed.pool_size,
+        "sampling": BlockSampling(**sampling.model_dump(exclude={"personalize"})),
+        "first_order_optimizer": fed.first_order_optimizer,
+        "pass_fraction": 1.0 if method.first_order else pass_fraction,
+        "estimator": config.zo.resolved_estimator(fed.method),
+        "optimizer": "mezo" if method.first_order else config.optimizer.name, "momentum": config.optimizer.momentum,
+        "beta1": config.optimizer.beta1, "beta2": config.optimizer.beta2, "logit_adjust": fed.logit_adjust,
+        "feature_cache": fed.feature_cache, "scalar_bits": fed.scalar_bits}
+    return FederationPlan(**settings)

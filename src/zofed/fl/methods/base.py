@@ -14,23 +14,37 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
 
 from zofed.fl.client import ClientContext, run_zo_client
 from zofed.fl.personal import BlockSampling
-from zofed.fl.plan import LocalTraining
+from zofed.fl.plan import FederationPlan, LocalTraining
 from zofed.fl.pooled import PooledTerms, RoundSteps, StepBlocks, pool_steps
 from zofed.fl.protocol import ClientUpdate, step_seeds
+from zofed.fl.server_opt import ServerOptimizer
+from zofed.fl.updates import Directions, StepSeeds
 from zofed.zo.noise import derive_seed
+from zofed.zo.optim import OptState
 from zofed.zo.perturb import Perturbation
 from zofed.zo.prefix import forward_equivalents
 from zofed.zo.step import StepRecord
 
-if TYPE_CHECKING:
-    from zofed.fl.roles import ServerRole
+
+class ServerView(Protocol):
+    """What a method's server hooks (`init_state`, `server_state`, `observe`) read of the server: fl/roles.py's
+    `ServerRole`, which calls them. The roles sit above the methods, so the methods name only this."""
+
+    plan: FederationPlan
+    tensors: list[torch.Tensor]  # the global trainable tensors
+    masks: list[torch.Tensor | None] | None
+    optimizer: ServerOptimizer
+    opt_state: OptState
+    method_state: Any  # what the method's `init_state` returned
+
+    def round_steps(self, accepted: Sequence[ClientUpdate], sent: dict[int, np.ndarray]) -> RoundSteps: ...
 
 
 @dataclass(frozen=True)
@@ -41,19 +55,6 @@ class ServerDefault:
     lr: float = 1.0
     granularity: str = "coordinate"
     relative: bool = False
-
-
-@dataclass(frozen=True)
-class StepSeeds:
-    """The step seeds of one client in one round, and how the uplink names them."""
-
-    seeds: list[int]
-    base_seed: int | None  # the uplink names the seeds by this base (derive_seed(base, t)) ...
-    explicit: bool  # ... or lists them one by one
-
-
-# One group of a client's rebuilt update: a perturbation and the (seed, coefficient) terms that move along it.
-Directions = tuple[Perturbation, list[tuple[int, float]]]
 
 
 def step_records(update: ClientUpdate) -> list[StepRecord]:
@@ -133,7 +134,7 @@ class Method:
         return run_zo_client(ctx, start, client_id, indices, local, seeds, perts, dense=self.dense_uplink)
 
     # --- the server --------------------------------------------------------------------------------------
-    def server_state(self, server: ServerRole, local: LocalTraining, client_id: int) -> np.ndarray | None:
+    def server_state(self, server: ServerView, local: LocalTraining, client_id: int) -> np.ndarray | None:
         """What `client_id`'s downlink carries besides the weights (None: nothing)."""
         return None
 
@@ -171,12 +172,12 @@ class Method:
         where = self.step_blocks(local, like, masks, steps)
         return None if where is None else pool_steps(steps, where, local.lr)
 
-    def observe(self, server: ServerRole, local: LocalTraining, accepted: Sequence[ClientUpdate],
+    def observe(self, server: ServerView, local: LocalTraining, accepted: Sequence[ClientUpdate],
                 sent: dict[int, np.ndarray], delta: Sequence[torch.Tensor]) -> dict[str, Any]:
         """What the server learns from a round's accepted uplinks (`sent`: the server state each client was sent,
         `delta`: the aggregated update); returns extras for the server optimizer."""
         return {}
 
-    def init_state(self, server: ServerRole) -> Any:
+    def init_state(self, server: ServerView) -> Any:
         """The method's own server state (checkpointed with `state_tensors`); None when it keeps none."""
         return None

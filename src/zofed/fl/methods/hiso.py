@@ -18,21 +18,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from zofed import streams
-from zofed.fl.methods.base import Method, StepSeeds, private_seeds
+from zofed.fl.methods.base import Method, ServerView, StepSeeds, private_seeds
 from zofed.fl.plan import LocalTraining
 from zofed.fl.pooled import RoundSteps, StepBlocks
 from zofed.fl.protocol import ClientUpdate
 from zofed.zo.perturb import Perturbation
 from zofed.zo.reduce import rms
-
-if TYPE_CHECKING:
-    from zofed.fl.roles import ServerRole
 
 BETA = 0.9  # memory of the second moment, in rounds
 FLOOR = 1e-12  # keeps K^-1/2 finite for a coordinate no estimate has touched
@@ -93,16 +90,16 @@ class HiSo(Method):
         pert = self.perturbations(local, like, masks, [0], steps.states[0])[0]
         return StepBlocks.every_tensor(pert, len(like), steps)
 
-    def init_state(self, server: ServerRole) -> SecondMoment:
+    def init_state(self, server: ServerView) -> SecondMoment:
         return SecondMoment([torch.ones(t.numel(), dtype=torch.float32, device=t.device) for t in server.tensors])
 
-    def server_state(self, server: ServerRole, local: LocalTraining, client_id: int) -> np.ndarray:
+    def server_state(self, server: ServerView, local: LocalTraining, client_id: int) -> np.ndarray:
         state: SecondMoment = server.method_state
         if state.sent is None or state.round_id != local.round_id:  # one array for the whole round
             state.round_id, state.sent = local.round_id, state.precondition()
         return state.sent
 
-    def observe(self, server: ServerRole, local: LocalTraining, accepted: Sequence[ClientUpdate],
+    def observe(self, server: ServerView, local: LocalTraining, accepted: Sequence[ClientUpdate],
                 sent: dict[int, np.ndarray], delta: Sequence[torch.Tensor]) -> dict[str, Any]:
         state: SecondMoment = server.method_state
         for k, d in zip(state.k, delta, strict=True):

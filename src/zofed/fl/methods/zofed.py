@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from zofed import streams
-from zofed.fl.methods.base import Method, ServerDefault, StepSeeds, private_seeds
+from zofed.fl.methods.base import Method, ServerDefault, ServerView, StepSeeds, private_seeds
 from zofed.fl.personal import (
     BlockSampling,
     BlockStats,
@@ -39,9 +39,6 @@ from zofed.fl.plan import LocalTraining
 from zofed.fl.pooled import RoundSteps, StepBlocks
 from zofed.fl.protocol import ClientUpdate, step_seeds
 from zofed.zo.perturb import Perturbation
-
-if TYPE_CHECKING:
-    from zofed.fl.roles import ServerRole
 
 
 @dataclass
@@ -122,7 +119,7 @@ class Zofed(Method):
         scales = 1.0 / np.sqrt(np.take_along_axis(pis, blocks, axis=1).astype(np.float64))
         return StepBlocks(Perturbation(kind=local.noise, masks=masks), layout, blocks, scales)
 
-    def init_state(self, server: ServerRole) -> BlockState:
+    def init_state(self, server: ServerView) -> BlockState:
         sampling = server.plan.sampling
         if sampling.tilt and "m" not in server.opt_state.buffers:
             raise ValueError("a momentum tilt needs a server optimizer with momentum (adam, yogi or amsgrad)")
@@ -132,7 +129,7 @@ class Zofed(Method):
                           np.asarray([t.numel() for t in server.tensors], dtype=np.float64),
                           BlockStats.zeros(server.plan.num_clients, len(sizes)))
 
-    def server_state(self, server: ServerRole, local: LocalTraining, client_id: int) -> np.ndarray:
+    def server_state(self, server: ServerView, local: LocalTraining, client_id: int) -> np.ndarray:
         """The client's pi (and, with a tilt, the server's first moment after it)."""
         state: BlockState = server.method_state
         pi = client_distribution(state.stats, client_id, state.sizes, server.plan.sampling)
@@ -140,7 +137,7 @@ class Zofed(Method):
             return pi
         return np.concatenate([pi, torch.cat(server.opt_state.buffers["m"]).cpu().numpy().astype(np.float32)])
 
-    def observe(self, server: ServerRole, local: LocalTraining, accepted: Sequence[ClientUpdate],
+    def observe(self, server: ServerView, local: LocalTraining, accepted: Sequence[ClientUpdate],
                 sent: dict[int, np.ndarray], delta: Sequence[torch.Tensor]) -> dict[str, Any]:
         """Files each step's probe under its client and block; with a warm-started server optimizer, returns
         each tensor's expected mean square of this round's update."""
