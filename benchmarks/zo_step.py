@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from zofed.data.builtin import load_builtin
-from zofed.data.tasks import Encoded, TaskConfig, make_task
+from zofed.data.task_factory import make_task
+from zofed.data.tasks import Encoded, TaskConfig
 from zofed.models.placement import DTYPES, place_model, resolve_device
 from zofed.models.registry import load_model
 from zofed.models.selection import TrainableConfig, select_trainable

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from zofed.data.sources import TextDataset
-from zofed.data.tasks import TaskConfig, make_task
+from zofed.data.task_factory import make_task
+from zofed.data.tasks import TaskConfig
 from zofed.models.registry import load_model
 from zofed.models.selection import TrainableConfig, select_trainable
 from zofed.zo.optim import make_optimizer

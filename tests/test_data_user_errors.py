@@ -8,7 +8,8 @@ from typer.testing import CliRunner
 
 from zofed.cli import app
 from zofed.data.sources import DataError, TextDataset
-from zofed.data.tasks import TaskConfig, make_task
+from zofed.data.task_factory import make_task
+from zofed.data.tasks import TaskConfig
 from zofed.models.tiny import tiny_tokenizer
 
 DATA = TextDataset([{"text": "a good movie"}, {"text": "a bad movie"}], [1, 0], ["negative", "positive"], "reviews")

@@ -17,7 +17,8 @@ from zofed.cli import app
 from zofed.data.causal_lm import INSTRUCTION_TEMPLATE
 from zofed.data.generation import generate_ids, rouge_l
 from zofed.data.sources import DataError, TextDataset
-from zofed.data.tasks import TaskConfig, make_task
+from zofed.data.task_factory import make_task
+from zofed.data.tasks import TaskConfig
 from zofed.models.selection import TrainableConfig, select_trainable
 from zofed.models.tiny import tiny_causal_lm, tiny_tokenizer
 from zofed.run.config import ConfigError, load_config

@@ -7,7 +7,8 @@ from safetensors.torch import load_file
 from toy_federation import WORDS, tiny_federated_config
 
 from zofed.data.sources import TextDataset
-from zofed.data.tasks import TaskConfig, make_task
+from zofed.data.task_factory import make_task
+from zofed.data.tasks import TaskConfig
 from zofed.models.catalog import ModelLoadError
 from zofed.models.selection import LABEL_HEAD, TrainableConfig, select_trainable
 from zofed.models.tiny import tiny_causal_lm

@@ -6,7 +6,8 @@ import torch
 from toy_federation import WORDS
 
 from zofed.data.sources import TextDataset
-from zofed.data.tasks import TaskConfig, make_task
+from zofed.data.task_factory import make_task
+from zofed.data.tasks import TaskConfig
 from zofed.models.selection import TrainableConfig, select_trainable
 from zofed.models.tiny import tiny_causal_lm
 from zofed.zo.optim import MeZO

@@ -3,7 +3,8 @@
 import numpy as np
 
 from zofed.data.sources import TextDataset
-from zofed.data.tasks import TaskConfig, make_task
+from zofed.data.task_factory import make_task
+from zofed.data.tasks import TaskConfig
 from zofed.fl.client import ClientContext
 from zofed.models.selection import TrainableConfig, select_trainable
 from zofed.models.tiny import tiny_causal_lm

@@ -2,7 +2,8 @@
 
 from .builtin import BUILTIN_DATASETS, load_builtin, load_shared, load_tweets, shared_data_dir
 from .hub import hf_to_text_dataset, load_hub
-from .sources import FORMATS, DataError, TextDataset, load_dataset_spec, load_file
+from .sources import FORMATS, DataError, TextDataset, load_file
+from .spec import load_dataset_spec
 
 __all__ = [
     "BUILTIN_DATASETS",

@@ -1,7 +1,7 @@
 """Data sets from the Hugging Face hub (`data.source: hub:NAME[:CONFIG][[SPLIT]]`): download and conversion.
 
-Kept apart from the local-file readers (sources.py) because it is the only data path that needs a network, and
-`datasets` is slow to import: sources.py imports this module only when a source names the hub.
+Kept apart from the local-file readers (sources.py) because it is the only data path that needs a network;
+`datasets` is slow to import, so `load_hub` imports it only when a source names the hub (spec.py decides).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Text classification / instruction data sets: one in-memory type, loaders for local files, and the dispatch
-to the hub (hub.py).
+"""Text classification / instruction data sets: one in-memory type and the loaders for local files (the hub's are
+in hub.py; spec.py reads a config's source and hands it to one or the other).
 
 Every problem with the data itself raises :class:`DataError` whose message names the file and the
 1-based line (or item/row) so a user can open the file and fix it, instead of a traceback from deep
@@ -21,8 +21,6 @@ from typing import Any, Literal
 import numpy as np
 
 from zofed import streams
-
-from .catalog import BUILTIN_DATASETS
 
 FORMATS = ("csv", "tsv", "jsonl", "json", "label-text")
 _EXTENSIONS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "json", ".txt": "label-text"}
@@ -459,34 +457,4 @@ def load_file(
     columns = resolve_columns(str(path), where, available, text_columns, label_column, optional_columns)
     return records_to_dataset(
         str(path), records, columns, label_column, label_names, optional_columns, name, bad
-    )
-
-
-def load_dataset_spec(source: str, **kwargs: Any) -> TextDataset:
-    """Load from a file path or ``hub:NAME[:CONFIG][[SPLIT]]`` (the split defaults to "train").
-
-    ``kwargs`` go to :func:`load_file` or :func:`load_hub`; the file-only ones (format, encoding,
-    on_bad_lines) are dropped for hub sources, so one set of options serves a file and a hub split alike.
-    """
-    if source.startswith("hub:"):
-        from .hub import FILE_ONLY_OPTIONS, load_hub, parse_hub_source
-
-        name, config, split = parse_hub_source(source)
-        for key in FILE_ONLY_OPTIONS:
-            kwargs.pop(key, None)
-        if config:
-            kwargs.setdefault("config", config)
-        if split is not None:
-            if kwargs.get("split", split) != split:
-                raise DataError(f"{source}: names split {split!r} but split={kwargs['split']!r} was passed too")
-            kwargs["split"] = split
-        kwargs.setdefault("split", "train")
-        return load_hub(name, **kwargs)
-    if Path(source).exists():
-        return load_file(source, **kwargs)
-    if source in BUILTIN_DATASETS:
-        raise DataError(f"{source!r} is a built-in data set: load it with load_builtin({source!r})")
-    raise DataError(
-        f"{source!r}: no such file. Give a path to a {'/'.join(FORMATS)} file, 'hub:NAME' for a "
-        f"Hugging Face hub data set, or one of the built-in data sets: {sorted(BUILTIN_DATASETS)}"
     )

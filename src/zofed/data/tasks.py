@@ -5,6 +5,8 @@
   only onto the label words' rows of the output embedding: the loss costs one backbone pass.
 - `encoder-classification`: an encoder with a classification head (e.g. MiniLM).
 - `causal-lm`: instruction data (zofed.data.causal_lm).
+
+`make_task` (task_factory.py) builds the one a config names.
 """
 
 from __future__ import annotations
@@ -417,24 +419,3 @@ class PromptClassification(Task):
 class EncoderClassification(Task):
     def logits(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-
-
-def make_task(config: TaskConfig, tokenizer, num_classes: int | None,
-              label_names: Sequence[str] | None = None) -> Task:
-    """The task of `config`; a prompt classification with no task.verbalizer answers with `label_names`, the
-    data's, where they are words (`label_verbalizer`)."""
-    if config.type == "prompt-classification":
-        if not num_classes:
-            raise DataError("task.type prompt-classification needs labelled data (data.label_column names the "
-                            "label column); instruction data takes task.type causal-lm")
-        return PromptClassification(tokenizer, config, num_classes, label_names)
-    if config.type == "encoder-classification":
-        task = EncoderClassification(tokenizer, config)
-        task.num_classes = num_classes
-        return task
-    if config.type == "causal-lm":
-        from zofed.data.causal_lm import CausalLM  # it builds on Task, defined here
-
-        return CausalLM(tokenizer, config)
-    raise ValueError(f"unknown task type {config.type!r}; choose prompt-classification, "
-                     "encoder-classification or causal-lm")

@@ -17,8 +17,10 @@ from safetensors.torch import load_file, save
 from zofed import streams
 from zofed.data.body_features import BodyFeatures, fingerprint
 from zofed.data.builtin import BUILTIN_DATASETS, load_builtin, load_shared
-from zofed.data.sources import TextDataset, load_dataset_spec
-from zofed.data.tasks import Encoded, PromptClassification, Task, make_task
+from zofed.data.sources import TextDataset
+from zofed.data.spec import load_dataset_spec
+from zofed.data.task_factory import make_task
+from zofed.data.tasks import Encoded, PromptClassification, Task
 from zofed.models.placement import DTYPES, place_model, resolve_device
 from zofed.models.registry import load_model
 from zofed.models.selection import TrainableParams, select_trainable
