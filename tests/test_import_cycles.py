@@ -24,6 +24,8 @@ from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = "zofed"
 
@@ -189,13 +191,14 @@ def test_no_import_cycles():
     assert not cycles, "import cycles (deferred imports included):\n" + "\n".join(cycles)
 
 
-def test_fl_never_imports_the_run_layer():
-    """run/ builds fl/'s objects from a config; fl/ (the rounds, roles, methods) knows nothing of the config or of
-    the backends and commands above it."""
+@pytest.mark.parametrize("package", ["zofed.fl", "zofed.data", "zofed.zo"])
+def test_lower_layers_never_import_the_run_layer(package):
+    """run/ builds fl/'s objects (and data/'s, zo/'s) from a config; the layers below it (the rounds, roles,
+    methods, data and ZO engine) know nothing of the config or of the backends and commands above them."""
     above = ("zofed.run", "zofed.sim", "zofed.flower", "zofed.cli")
     graph = import_graph()
     wrong = [f"{source} -> {target} (line {', '.join(map(str, lines))})"
-             for source in sorted(graph) if source.startswith("zofed.fl.")
+             for source in sorted(graph) if source.startswith(package + ".")
              for target, lines in sorted(graph[source].items())
              if any(target == layer or target.startswith(layer + ".") for layer in above)]
-    assert not wrong, "fl/ imports a layer above it:\n" + "\n".join(wrong)
+    assert not wrong, f"{package} imports a layer above it:\n" + "\n".join(wrong)

@@ -256,7 +256,7 @@ def evaluate(
     examples: Annotated[int | None, typer.Option(help="evaluate only the first N test examples")] = None,
 ) -> None:
     """Evaluate a fine-tuned run's weights on its test split."""
-    from zofed.run.checkpoint import write_atomic_text
+    from zofed.atomic_files import write_atomic_text
     from zofed.run.setup import load_run
 
     try:

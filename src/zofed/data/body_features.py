@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from zofed.run.checkpoint import write_atomic_text
+from zofed.atomic_files import write_atomic_text
 from zofed.zo.prefix import PrefixCache
 
 KEY_BYTES = 16

@@ -15,6 +15,7 @@ import tomllib
 from importlib.resources import files
 from pathlib import Path
 
+from zofed.atomic_files import write_atomic_text
 from zofed.flower.config import (
     CONFIG_KEY,
     RUN_CONFIG_KEYS,
@@ -23,7 +24,6 @@ from zofed.flower.config import (
     num_supernodes,
     resolve_run_config,
 )
-from zofed.run.checkpoint import write_atomic_text
 from zofed.run.config import ConfigError
 from zofed.run.federated_config import FederatedConfig
 
