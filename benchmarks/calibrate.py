@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 from row_pool import record_rows, run_rows  # benchmarks/ is the script's own directory, so first on sys.path
 
+from zofed.atomic_files import write_atomic_text
 from zofed.data.builtin import load_shared, shared_data_dir
-from zofed.run.checkpoint import find_checkpoint, write_atomic_text
+from zofed.run.checkpoint import find_checkpoint
 from zofed.run.config import FinetuneConfig, load_config
 from zofed.run.finetune import finetune
 from zofed.run.metrics import MetricsLog

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
+from zofed.atomic_files import write_atomic_text
 from zofed.data.builtin import shared_data_dir
-from zofed.run.checkpoint import find_checkpoint, write_atomic_text
+from zofed.run.checkpoint import find_checkpoint
 from zofed.run.config import load_config
 from zofed.run.finetune import finetune
 from zofed.run.metrics import MetricsLog

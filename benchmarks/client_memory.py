@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from zo_step import build  # benchmarks/ is the script's own directory, so first on sys.path
 
+from zofed.atomic_files import write_atomic_text
 from zofed.data.tasks import Encoded
 from zofed.fl.client import ClientContext
 from zofed.fl.methods import get_method
@@ -37,7 +38,6 @@ from zofed.fl.methods.first_order import run_first_order_client
 from zofed.fl.personal import block_sizes
 from zofed.fl.plan import LocalTraining
 from zofed.models.selection import TrainableConfig
-from zofed.run.checkpoint import write_atomic_text
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 MODEL = {"model": "smollm2-135m", "trainable": "patterns"}

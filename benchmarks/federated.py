@@ -31,13 +31,14 @@ import numpy as np
 import torch
 from row_pool import record_rows, run_rows  # benchmarks/ is the script's own directory, so first on sys.path
 
+from zofed.atomic_files import write_atomic_text
 from zofed.data.builtin import shared_data_dir
 from zofed.data.partition import client_splits
 from zofed.data.tasks import Encoded
 from zofed.fl.methods import get_method, method_names
 from zofed.fl.plan import LocalTraining
 from zofed.fl.rounds import peak_rss_mib
-from zofed.run.checkpoint import find_checkpoint, write_atomic_text
+from zofed.run.checkpoint import find_checkpoint
 from zofed.run.config import load_config
 from zofed.run.federated import per_client_accuracy, run_federated, worst_decile_mean
 from zofed.run.federated_config import FederatedConfig

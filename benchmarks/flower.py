@@ -29,10 +29,10 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # flower_local: the local-deployment harness
 from flower_local import run_insecure
 
+from zofed.atomic_files import write_atomic_text
 from zofed.flower.deploy import write_app
 from zofed.flower.simulation import run_flower_simulation
 from zofed.models.tiny import tiny_causal_lm
-from zofed.run.checkpoint import write_atomic_text
 from zofed.run.config import load_config
 from zofed.run.federated import run_federated
 from zofed.run.federated_config import FederatedConfig

@@ -34,8 +34,8 @@ from instruction_protocol import (
     zofed_variant,
 )
 
+from zofed.atomic_files import write_atomic_text
 from zofed.fl.methods import get_method
-from zofed.run.checkpoint import write_atomic_text
 
 
 def points(values) -> np.ndarray:

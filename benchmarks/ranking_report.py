@@ -23,8 +23,8 @@ from ranking_protocol import (
     setting_key,
 )
 
+from zofed.atomic_files import write_atomic_text
 from zofed.fl.methods import get_method
-from zofed.run.checkpoint import write_atomic_text
 
 
 def by_setting(rows: list[dict]) -> dict[tuple, list[dict]]:

@@ -46,10 +46,11 @@ from ranking_protocol import RESULTS, ROOT, choices, setting_key
 from ranking_report import judged_row
 from row_pool import record_rows, run_rows
 
+from zofed.atomic_files import write_atomic_text
 from zofed.data.builtin import shared_data_dir
 from zofed.fl.privacy import epsilon_spent
 from zofed.fl.protocol import decode
-from zofed.run.checkpoint import find_checkpoint, write_atomic_text
+from zofed.run.checkpoint import find_checkpoint
 from zofed.run.config import load_config
 from zofed.run.federated import run_federated
 from zofed.run.federated_config import FederatedConfig

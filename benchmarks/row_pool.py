@@ -21,7 +21,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
-from zofed.run.checkpoint import write_atomic_text
+from zofed.atomic_files import write_atomic_text
 
 
 def _exit_with_parent(parent: int) -> None:

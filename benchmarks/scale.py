@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from zofed.run.checkpoint import write_atomic_text
+from zofed.atomic_files import write_atomic_text
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 SETTINGS = {"model": "minilm-l6", "trainable": "lora (query, value) + classifier", "data": "tweets, iid split",

@@ -33,13 +33,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from zofed.atomic_files import write_atomic_text
 from zofed.data.builtin import load_builtin
 from zofed.data.task_factory import make_task
 from zofed.data.tasks import Encoded, TaskConfig
 from zofed.models.placement import DTYPES, place_model, resolve_device
 from zofed.models.registry import load_model
 from zofed.models.selection import TrainableConfig, select_trainable
-from zofed.run.checkpoint import write_atomic_text
 from zofed.zo.optim import make_optimizer
 from zofed.zo.perturb import Perturbation
 from zofed.zo.step import zo_step

@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import load_file
 from toy_federation import tiny_federated_config
 
-from zofed.run.checkpoint import find_checkpoint, load_checkpoint, remove_stale_temporaries, write_atomic_text
+from zofed.atomic_files import remove_stale_temporaries, write_atomic_text
+from zofed.run.checkpoint import find_checkpoint, load_checkpoint
 from zofed.run.config import ConfigError, load_config
 from zofed.run.federated_config import FederatedConfig
 from zofed.run.metrics import MetricsLog

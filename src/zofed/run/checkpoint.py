@@ -13,11 +13,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from zofed.atomic_files import append_line, fsync_path, remove_stale_temporaries, write_atomic_text
-
-# the atomic-write helpers live in zofed.atomic_files; run/ modules and benchmarks reach them through here too
-__all__ = ["append_line", "find_checkpoint", "fsync_path", "load_checkpoint", "remove_stale_temporaries",
-           "save_checkpoint", "write_atomic_text"]
+from zofed.atomic_files import fsync_path, write_atomic_text
 
 
 def save_checkpoint(directory: Path, tensors: dict[str, dict[str, torch.Tensor]], meta: dict[str, Any]) -> None:

@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from zofed import streams
+from zofed.atomic_files import remove_stale_temporaries, write_atomic_text
 from zofed.data.generation import showing_generation
 from zofed.data.partition import ClientSplit, client_splits, format_summary, plot_partition, summarize
 from zofed.fl.aggregate import make_aggregator
@@ -36,13 +37,7 @@ from zofed.fl.plan import FEDERATED_OPTIMIZERS, FederationPlan
 from zofed.fl.roles import ClientRole, Screen, ServerRole
 from zofed.fl.server_opt import ServerOptimizer
 from zofed.models.selection import TrainableParams
-from zofed.run.checkpoint import (
-    find_checkpoint,
-    load_checkpoint,
-    remove_stale_temporaries,
-    save_checkpoint,
-    write_atomic_text,
-)
+from zofed.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from zofed.run.config import ConfigError
 from zofed.run.federated_config import FederatedConfig, federation_plan
 from zofed.run.metrics import CLIENT_LISTS, MetricsLog

@@ -15,14 +15,9 @@ import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from zofed import streams
+from zofed.atomic_files import remove_stale_temporaries, write_atomic_text
 from zofed.data.generation import showing_generation
-from zofed.run.checkpoint import (
-    find_checkpoint,
-    load_checkpoint,
-    remove_stale_temporaries,
-    save_checkpoint,
-    write_atomic_text,
-)
+from zofed.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from zofed.run.config import ConfigError, FinetuneConfig
 from zofed.run.federated_config import FederatedConfig
 from zofed.run.metrics import MetricsLog

@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from zofed.run.checkpoint import append_line, write_atomic_text
+from zofed.atomic_files import append_line, write_atomic_text
 from zofed.run.config import ConfigError
 
 # A run's headline metric -> its per-client list in results.json (lower is better only for the loss).

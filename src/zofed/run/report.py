@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from zofed.run.checkpoint import write_atomic_text
+from zofed.atomic_files import write_atomic_text
 from zofed.run.config import ConfigError
 from zofed.run.metrics import CLIENT_LISTS, MetricsLog
 

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save
 
 from zofed import streams
+from zofed.atomic_files import write_atomic_text
 from zofed.data.body_features import BodyFeatures, fingerprint
 from zofed.data.builtin import BUILTIN_DATASETS, load_builtin, load_shared
 from zofed.data.sources import TextDataset
@@ -24,7 +25,7 @@ from zofed.data.tasks import Encoded, PromptClassification, Task
 from zofed.models.placement import DTYPES, place_model, resolve_device
 from zofed.models.registry import load_model
 from zofed.models.selection import TrainableParams, select_trainable
-from zofed.run.checkpoint import find_checkpoint, load_checkpoint, write_atomic_text
+from zofed.run.checkpoint import find_checkpoint, load_checkpoint
 from zofed.run.config import ConfigError, FinetuneConfig
 from zofed.zo.feature_scale import combine, feature_noise_scales
 from zofed.zo.prefix import PrefixCache, first_trainable_layer

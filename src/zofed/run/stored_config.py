@@ -12,8 +12,8 @@ from typing import Any
 
 import yaml
 
+from zofed.atomic_files import write_atomic_text
 from zofed.data.tasks import Task
-from zofed.run.checkpoint import write_atomic_text
 from zofed.run.config import ConfigError, FinetuneConfig, load_config
 from zofed.run.federated_config import FederatedConfig
 

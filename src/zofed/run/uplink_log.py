@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from zofed.run.checkpoint import append_line, write_atomic_text
+from zofed.atomic_files import append_line, write_atomic_text
 
 LOG_NAME = "uplinks.jsonl"
 FORMAT = "zofed-uplinks/1"
