@@ -58,6 +58,9 @@ ModelOption = Annotated[str | None, typer.Option(help="model.name: smollm2-135m,
 DataOption = Annotated[str | None, typer.Option(help="data.source: tweets, a file path, or hub:NAME")]
 OutOption = Annotated[str | None, typer.Option(help="out_dir: the run directory")]
 ResumeOption = Annotated[bool, typer.Option(help="continue the run in --out (out_dir) from its checkpoint")]
+TensorBoardOption = Annotated[str | None, typer.Option(
+    "--tensorboard", help="tensorboard_dir: also write the metrics there as TensorBoard scalars, live "
+                          "(`tensorboard --logdir DIR`)")]
 
 
 def _overrides(set_: list[str] | None, shortcuts: dict[str, object | None]) -> list[str]:
@@ -73,6 +76,7 @@ def finetune(
     steps: Annotated[int | None, typer.Option(help="train.steps: number of ZO steps")] = None,
     out: OutOption = None,
     resume: ResumeOption = False,
+    tensorboard: TensorBoardOption = None,
     config_option: Annotated[Path | None, typer.Option("--config", "-c", hidden=True,
                                                        help="deprecated: pass CONFIG as the argument")] = None,
 ) -> None:
@@ -89,7 +93,8 @@ def finetune(
         console.print("[yellow]warning:[/] --config is deprecated: pass the config file as the argument, "
                       "zofed finetune CONFIG")
         config = config_option
-    overrides = _overrides(set_, {"model.name": model, "data.source": data, "train.steps": steps, "out_dir": out})
+    overrides = _overrides(set_, {"model.name": model, "data.source": data, "train.steps": steps, "out_dir": out,
+                                  "tensorboard_dir": tensorboard})
     try:
         cfg = load_config(config, overrides)
         console.print(f"[bold]zofed finetune[/] model={cfg.model.name} data={cfg.data.source} "
@@ -110,6 +115,7 @@ def run(
     rounds: Annotated[int | None, typer.Option(help="federation.rounds: number of federated rounds")] = None,
     out: OutOption = None,
     resume: ResumeOption = False,
+    tensorboard: TensorBoardOption = None,
     backend: Annotated[Backend, typer.Option(help="inprocess: one process; flower: Flower's simulation engine "
                                                   "(needs the flower extra, docs/flower.md)")] = Backend.inprocess,
 ) -> None:
@@ -123,7 +129,7 @@ def run(
     from zofed.run.federated_config import FederatedConfig
 
     overrides = _overrides(set_, {"model.name": model, "data.source": data, "federation.rounds": rounds,
-                                  "out_dir": out})
+                                  "out_dir": out, "tensorboard_dir": tensorboard})
     try:
         cfg = load_config(config, overrides, schema=FederatedConfig)
         fed = cfg.federation

@@ -151,6 +151,7 @@ class FinetuneConfig(_Section):
     optimizer: OptimizerSection = Field(default_factory=OptimizerSection)
     train: TrainSection = Field(default_factory=TrainSection)
     out_dir: str = "runs/finetune"
+    tensorboard_dir: str | None = None  # also write the metrics as TensorBoard scalars there (run/tensorboard.py)
 
     @model_validator(mode="before")
     @classmethod

@@ -63,7 +63,7 @@ def finetune(config: FinetuneConfig, *, resume: bool = False, show_progress: boo
     tensors = setup.trainable.tensors()
     optimizer = make_optimizer(config.optimizer.name, **config.optimizer.hyperparameters())
     opt_state = optimizer.init(tensors)
-    metrics = MetricsLog(out / "metrics.jsonl")
+    metrics = MetricsLog(out / "metrics.jsonl", config.tensorboard_dir)
     start = 0
     if existing is not None:
         saved, meta = load_checkpoint(out / "checkpoint")

@@ -14,6 +14,7 @@ from typing import Any
 
 from zofed.atomic_files import append_line, write_atomic_text
 from zofed.run.config import ConfigError
+from zofed.run.tensorboard import TensorBoardLog
 
 # A run's headline metric -> its per-client list in results.json (lower is better only for the loss).
 CLIENT_LISTS = {"accuracy": "client_accuracies", "rougeL": "client_rougeL", "loss": "client_losses"}
@@ -33,12 +34,17 @@ def _record(path: Path, number: int, line: str) -> dict[str, Any]:
 
 
 class MetricsLog:
-    def __init__(self, path: Path) -> None:
+    """A run's metrics file, and, when `tensorboard` names a directory, a TensorBoard copy of what it writes."""
+
+    def __init__(self, path: Path, tensorboard: str | Path | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.board = TensorBoardLog(tensorboard) if tensorboard is not None else None
 
     def write(self, record: dict[str, Any]) -> None:
         append_line(self.path, json.dumps(record))
+        if self.board is not None:
+            self.board.write(record)
 
     def read(self) -> list[dict[str, Any]]:
         """Every record; a torn last line (a kill in the middle of its append) is dropped with a warning."""
@@ -59,3 +65,5 @@ class MetricsLog:
         """Drop records past `step` (when resuming from a checkpoint taken at `step`), and a torn last line."""
         kept = [r for r in self.read() if r.get("step", 0) <= step]
         write_atomic_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        if self.board is not None:
+            self.board.resume_after(step)
