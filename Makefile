@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo demo-centralized test lint bench-zo-step bench-centralized bench-scale bench-federated bench-flower bench-client-memory bench-calibrate bench-ranking bench-instruction bench-robustness
+.PHONY: setup demo demo-centralized test lint bench-zo-step bench-centralized bench-scale bench-flower bench-client-memory bench-calibrate bench-ranking bench-instruction bench-robustness
 
 setup:
 	@bash scripts/setup_env.sh
@@ -33,9 +33,6 @@ bench-centralized: setup
 
 bench-scale: setup
 	$(PY) benchmarks/scale.py
-
-bench-federated: setup
-	$(PY) benchmarks/federated.py
 
 bench-flower: setup
 	$(PY) benchmarks/flower.py
