@@ -1,235 +1,336 @@
-"""The ranking benchmark's protocol (benchmarks/ranking.py): the federation, the trainable sets, the rows and
-what each costs, the tuning grid, and each row's chosen grid point."""
+"""The ranking benchmark's protocol, read from benchmarks/ranking.yaml and checked: the federation's shape, the
+datasets, seeds, grids and tables of rows, and what follows from them (each row's config, cost, rounds, the runs
+still to do and each row's chosen lr)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+from fractions import Fraction
+from functools import cache, lru_cache
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
+import yaml
+from calibrate import REMEMBER_FEATURES, TASKS  # benchmarks/ is the script's own directory, so first on sys.path
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from zofed.fl.methods import ServerDefault, get_method
+from zofed.fl.methods import get_method
 from zofed.run.config import load_config
 from zofed.run.federated_config import FederatedConfig, federation_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
-CLIENTS, PER_ROUND, LOCAL_STEPS, BATCH, VALIDATION = 50, 5, 4, 8, 400
-# The trainable set every row shares (`--trainable`): its overrides, the share of SmolLM2's 30 blocks a perturbed
-# pass runs when the frozen prefix is cached, and zofed's engine lever on it (the prefix cached and several
-# queries a step; none where nothing can be cached). The baselines run their published algorithms on the same
-# tensors as zofed; a baseline row with the lever shows how much of a margin is the engine rather than the method.
-TOP4 = ["trainable.mode=patterns",
-        "trainable.patterns=['layers\\.(26|27|28|29)\\..*norm\\.weight$', '^model\\.norm\\.weight$']"]
-LEVER_Q4, LEVER_Q16 = ["zo.prefix_cache=true", "zo.queries=4"], ["zo.prefix_cache=true", "zo.queries=16"]
-TRAINABLE: dict[str, tuple[list[str], float, list[str]]] = {
-    "gains": (["trainable.mode=patterns", "trainable.patterns=['norm\\.weight$']"], 1.0, []),  # all 61 gains
-    "top4": (TOP4, 4 / 30, LEVER_Q4),  # the gains of the top 4 blocks and the final norm
-    "head": (["trainable.mode=none", "trainable.label_head=true"], 0.0, LEVER_Q16),  # the verbalizer's rows
-    "head-top4": ([*TOP4, "trainable.label_head=true"], 4 / 30, LEVER_Q4),
-}
-# row name -> (federation.method, runs with the engine lever)
-ROWS: dict[str, tuple[str, bool]] = {
-    "zofed": ("zofed", True),  # zofed's defaults (one-sided queries, as it has 4 a step) with the engine lever
-    "zofed-central": ("zofed", True),  # central two-point queries (zofed's default until forward won)
-    "zofed-q8": ("zofed", True),  # 8 one-sided queries a step: less noise per step, fewer steps for the budget
-    "zofed-q48": ("zofed", True),  # 48 a step: on the head a step still costs one pass, and 4 steps fit in 1 KB
-    "zofed-uncached": ("zofed", False),  # the method alone, at the baselines' one query a step
-    "zofed-shared": ("zofed", True),  # the round's clients share step seeds (ROW_OPTIONS): the server's cheap case
-    "zofed-zo-adam": ("zofed", True),  # local ZO-Adam on the clients, replayed exactly by the server
-    "zofed-tensor": ("zofed", True),  # one server second moment per tensor (zofed's default until global won)
-    "zofed-uncached-tensor": ("zofed", False),
-    "zofed-cosine-tensor": ("zofed", True),  # the server lr falls along a cosine to zero over the run
-    "zofed-cosine": ("zofed", True),  # zofed's defaults with that cosine (its late rounds drifted down at constant lr)
-    "zofed-avg": ("zofed", True),  # zofed's defaults, releasing the mean of the second half's server iterates
-    "zofed-beta1-0.5": ("zofed", True),  # a server momentum that forgets in 2 rounds, not 10
-    "zofed-beta1-ramp": ("zofed", True),  # server beta1 rising from 0.5 to 0.9 over the run
-    "zofed-features": ("zofed", True),  # noise scaled by 1 / RMS of each coordinate's input feature
-    "zofed-shaped": ("zofed", True),  # zofed's defaults (one-sided queries) with that feature-shaped noise
-    "zofed-adjusted": ("zofed", True),  # zofed's defaults, each client's loss logit-adjusted by its own label prior
-    "zofed-q48-adjusted": ("zofed", True),  # both head levers: 48 queries a step and the logit adjustment
-    # the label head on cached features: 16 examples through the model a client round (2 passes), then 24 steps of 8
-    # queries on them (192 scalars, under 1 KB), logit-adjusted; twice the rounds of zofed-q48 and 6x the steps
-    "zofed-features-cached": ("zofed", True),
-    # and each coordinate's noise scaled by 1 / RMS of the hidden feature it reads (zo.precondition=features)
-    "zofed-shaped-features-cached": ("zofed", True),
-    # zofed-features-cached with one tensor per class's row (trainable.label_head_per_class): zofed's block
-    # sampling, a single block on the one-tensor head, then chooses each step's class row from the client's own pi
-    "zofed-perclass-features-cached": ("zofed", True),
-    # the demo's first head settings: 8 examples a client round (one pass), 12 steps of 8 queries
-    # on them, plain averaging on the server and the mean of the second half's iterates released; twice the rounds
-    "zofed-averaged-cached": ("zofed", True),
-    # and each coordinate's noise scaled by 1 / RMS of the hidden feature it reads (zo.precondition=features): on
-    # the head, zofed's block sampling has one block, so this is where its noise can differ from plain MeZO's
-    "zofed-shaped-averaged-cached": ("zofed", True),
-    # and central two-point queries: on the head a perturbed pass runs only the output rows, so the one-sided
-    # estimate zofed takes with several queries saves no pass there
-    "zofed-central-averaged-cached": ("zofed", True),
-    # and one tensor per class's row, as zofed-perclass-features-cached
-    "zofed-perclass-averaged-cached": ("zofed", True),
-    # with 24 local steps a round instead of 12 (a step on cached features costs no pass): zofed's head recipe
-    # (run/recipes.py), what `zofed run` and the demo run now
-    "zofed-averaged-steps24-cached": ("zofed", True),
-    "zofed-averaged-steps48-cached": ("zofed", True),  # and 48
-    # zofed-features-cached's 192 scalars spent on more steps of fewer queries: on cached features a step costs no
-    # pass, so the uplink, not compute, caps steps x queries
-    "zofed-features-steps48-q4-cached": ("zofed", True),
-    "zofed-features-steps96-q2-cached": ("zofed", True),
-    "zofed-features-steps48-cached": ("zofed", True),  # and twice the scalars (48 steps of 8 queries, 1.7 KB up)
-    # twice the scalars in the same bytes: each sent as float16 (federation.scalar_bits=16), 384 under 1 KB
-    "zofed-averaged-steps48-half-cached": ("zofed", True),  # the head recipe with 48 steps
-    "zofed-features-steps96-q4-half-cached": ("zofed", True),
-    "zofed-features-steps192-q2-half-cached": ("zofed", True),
-    # zofed-shaped-features-cached releasing the mean of the second half's server iterates, as the averaged rows do
-    "zofed-shaped-features-avg-cached": ("zofed", True),
-    # local ZO-Adam (a fresh state each round, replayed exactly by the server) on the head recipes: per-coordinate
-    # steps over a round's many cached steps, with plain averaging and with zofed's adaptive server
-    "zofed-zo-adam-averaged-steps24-cached": ("zofed", True),
-    "zofed-zo-adam-features-cached": ("zofed", True),
-    "hiso": ("hiso", False),
-    "fedkseed": ("fedkseed", False),
-    "decomfl": ("decomfl", False),
-    "zo-seeds": ("zo-seeds", False),
-    "fedmezo": ("fedmezo", False),
-    "hiso-cached": ("hiso", True),
-    "hiso-adjusted": ("hiso", False),  # HiSo with zofed's client lever against label skew (logit adjustment)
-    "hiso-features-cached": ("hiso", True),  # HiSo with every engine lever of zofed-features-cached
-    "hiso-averaged-cached": ("hiso", True),  # and of zofed-averaged-cached (HiSo's server already averages)
-    "hiso-averaged-steps24-cached": ("hiso", True),  # and of zofed's head recipe (24 steps a round)
-    "fedkseed-cached": ("fedkseed", True),
-    "decomfl-cached": ("decomfl", True),
-    "fedavg-lora": ("fedavg", False),  # first-order: LoRA, its own trainable set (the accuracy ceiling)
-}
-HEADLINE = ["zofed", "hiso", "fedkseed", "decomfl", "zo-seeds", "fedmezo", "fedavg-lora"]
-# fedavg uploads LoRA's dense update (1.8 MB a client round): no uplink log of it in every run directory
+PROTOCOL = Path(__file__).resolve().with_name("ranking.yaml")
+# Options the instruction benchmark (instruction_protocol.py) gives a method on every row; the ranking's own rows
+# name theirs in ranking.yaml
 METHOD_OPTIONS = {"fedkseed": ["federation.pool_size=64"], "fedavg": ["federation.log_uplinks=false"]}
-TENSORWISE = "federation.server_optimizer.granularity=tensor"
-# The ablations were measured with central queries, zofed's estimator before forward won; they keep it.
-CENTRAL = "zo.estimator=central"
-FEATURES_CACHED = ["federation.feature_cache=16", "federation.local_steps=24", "zo.queries=8",
-                   "federation.logit_adjust=1.0"]
-# one pass a client round, tail averaging: what first reached the demo's target on the tweets (docs/method.md)
-TAIL_AVERAGE = "federation.average_from=0.5"  # release the mean of the second half's server iterates
-FEATURES_AVERAGED = ["federation.feature_cache=8", "federation.local_steps=12", "zo.queries=8",
-                     "federation.logit_adjust=1.0", TAIL_AVERAGE]
-SHAPED = "zo.precondition=features"
-ZO_ADAM = "optimizer.name=zo-adam"  # the clients' local optimizer, after COMMON's mezo
-HALF = "federation.scalar_bits=16"  # scalars travel as float16
-PER_CLASS = ["trainable.label_head=true", "trainable.label_head_per_class=true"]  # the head, split (on any set)
-ROW_OPTIONS = {"zofed-central": [CENTRAL], "zofed-q8": ["zo.queries=8"], "zofed-q48": ["zo.queries=48"],
-               "zofed-cosine": ["federation.server_optimizer.decay=cosine"],
-               "zofed-avg": [TAIL_AVERAGE],
-               "zofed-shared": [CENTRAL, "federation.sampling.shared_seeds=true"],
-               "zofed-zo-adam": [CENTRAL, ZO_ADAM],
-               "zofed-tensor": [CENTRAL, TENSORWISE], "zofed-uncached-tensor": [TENSORWISE],
-               "zofed-cosine-tensor": [CENTRAL, TENSORWISE, "federation.server_optimizer.decay=cosine"],
-               "zofed-beta1-0.5": [CENTRAL, "federation.server_optimizer.beta1=0.5"],
-               "zofed-beta1-ramp": [CENTRAL, "federation.server_optimizer.beta1_start=0.5"],
-               "zofed-features": [CENTRAL, SHAPED],
-               "zofed-shaped": [SHAPED],
-               "zofed-adjusted": ["federation.logit_adjust=1.0"], "hiso-adjusted": ["federation.logit_adjust=1.0"],
-               "zofed-q48-adjusted": ["zo.queries=48", "federation.logit_adjust=1.0"],
-               "zofed-features-cached": FEATURES_CACHED, "hiso-features-cached": FEATURES_CACHED,
-               "zofed-shaped-features-cached": [*FEATURES_CACHED, SHAPED],
-               "zofed-perclass-features-cached": [*FEATURES_CACHED, *PER_CLASS],
-               "zofed-perclass-averaged-cached": [*FEATURES_AVERAGED, *PER_CLASS],
-               "zofed-averaged-steps24-cached": [*FEATURES_AVERAGED, "federation.local_steps=24"],
-               "zofed-averaged-steps48-cached": [*FEATURES_AVERAGED, "federation.local_steps=48"],
-               "hiso-averaged-steps24-cached": [*FEATURES_AVERAGED, "federation.local_steps=24"],
-               "zofed-features-steps48-q4-cached": [*FEATURES_CACHED, "federation.local_steps=48", "zo.queries=4"],
-               "zofed-features-steps96-q2-cached": [*FEATURES_CACHED, "federation.local_steps=96", "zo.queries=2"],
-               "zofed-features-steps48-cached": [*FEATURES_CACHED, "federation.local_steps=48"],
-               "zofed-averaged-steps48-half-cached": [*FEATURES_AVERAGED, "federation.local_steps=48", HALF],
-               "zofed-features-steps96-q4-half-cached": [*FEATURES_CACHED, "federation.local_steps=96",
-                                                         "zo.queries=4", HALF],
-               "zofed-features-steps192-q2-half-cached": [*FEATURES_CACHED, "federation.local_steps=192",
-                                                          "zo.queries=2", HALF],
-               "zofed-shaped-features-avg-cached": [*FEATURES_CACHED, SHAPED, TAIL_AVERAGE],
-               "zofed-zo-adam-averaged-steps24-cached": [*FEATURES_AVERAGED, "federation.local_steps=24", ZO_ADAM],
-               "zofed-zo-adam-features-cached": [*FEATURES_CACHED, ZO_ADAM],
-
-               "zofed-averaged-cached": FEATURES_AVERAGED, "hiso-averaged-cached": FEATURES_AVERAGED,
-               "zofed-shaped-averaged-cached": [*FEATURES_AVERAGED, SHAPED],
-               "zofed-central-averaged-cached": [*FEATURES_AVERAGED, CENTRAL]}
-# Rows whose server optimizer is not their method's default; the tuning grid's server factor scales its lr.
-PLAIN_AVERAGING = ServerDefault("sgd", 1.0)
-ROW_SERVER = {row: PLAIN_AVERAGING for row in ["zofed-averaged-cached", "zofed-shaped-averaged-cached",
-                                               "zofed-central-averaged-cached", "zofed-perclass-averaged-cached",
-                                               "zofed-averaged-steps24-cached", "zofed-averaged-steps48-cached",
-                                               "zofed-averaged-steps48-half-cached",
-                                               "zofed-zo-adam-averaged-steps24-cached"]}
 
 
-def server_default(row: str) -> ServerDefault:
-    """The server optimizer a row runs, before the tuning grid's factor on its lr."""
-    return ROW_SERVER.get(row, get_method(ROWS[row][0]).server_default)
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-def row_overrides(row: str, trainable: str) -> tuple[list[str], float]:
-    """A row's config overrides on a trainable set, and the share of the blocks its perturbed passes run."""
-    method, cached = ROWS[row]
-    if get_method(method).first_order:
-        return ["trainable.mode=lora", *METHOD_OPTIONS.get(method, [])], 1.0
-    overrides, fraction, lever = TRAINABLE[trainable]
-    lever = lever if cached else []
-    return ([*overrides, *lever, *METHOD_OPTIONS.get(method, []), *ROW_OPTIONS.get(row, [])],
-            fraction if lever else 1.0)
+class Federation(_Strict):
+    model: str
+    clients: int = Field(gt=0)
+    per_round: int = Field(gt=0)
+    scheme: str
+    alphas: list[float] = Field(min_length=1)
+    test_fraction: float = Field(gt=0, lt=1)
+    validation_examples: int = Field(gt=0)
+    eval_examples: int = Field(gt=0)
+    max_length: int = Field(gt=0)
+    eval_batch_size: int = Field(gt=0)
+    budget: float = Field(gt=0)
+    evaluations: int = Field(gt=0)
 
 
-# The grid every method is tuned on: client lr, and a factor on the server optimizer's default lr. The ZO lrs
-# reach 1e-2 because the plain-averaging baselines step by the client lr and did best at the former top, 3e-3;
-# they reach down to 1e-4 because on the label head the same baselines did best at the former bottom, 3e-4.
-# The server factors reach below the default because a normalized (Adam) server step is set by the server lr
-# alone, as the plain-averaging baselines' step is by the client lr their own grid already spans both ways.
-CLIENT_LRS = {"zo": [1e-4, 3e-4, 1e-3, 3e-3, 1e-2], "first_order": [3e-4, 1e-3, 3e-3]}
-SERVER_FACTORS = [0.3, 1.0, 3.0]
-COMMON = ["model.name=smollm2-135m", "optimizer.name=mezo", "zo.eps=1e-3", f"train.batch_size={BATCH}",
-          "task.max_length=64", "train.eval_batch_size=32", f"federation.partition.num_clients={CLIENTS}",
-          f"federation.clients_per_round={PER_ROUND}", f"federation.local_steps={LOCAL_STEPS}",
-          "federation.partition.scheme=dirichlet-mix", "federation.partition.test_fraction=0.1",
-          f"data.validation_examples={VALIDATION}", "data.eval_examples=300"]
+class Seeds(_Strict):
+    tune: list[int] = Field(min_length=3)  # a grid point on one seed carries ~2.4 points of standard error
+    final: list[int] = Field(min_length=1)
 
 
-def per_client_round_cost(row: str, trainable: str) -> float:
-    """Forward-pass equivalents one client spends in a round of this row, as its method counts them."""
-    overrides, fraction = row_overrides(row, trainable)
-    config = load_config(None, [*COMMON, *overrides, f"federation.method={ROWS[row][0]}"], schema=FederatedConfig)
-    plan = federation_plan(config, CLIENTS, fraction)  # the plan a run of this row follows
-    return get_method(ROWS[row][0]).forward_passes(get_method(plan.method).round_plan(plan.round(0), plan.sampling))
+class Row(_Strict):
+    kind: Literal["federated", "zero-shot"] = "federated"
+    method: str | None = None
+    grid: str | None = None
+    trainable: Literal["table", "recipe", "own"] = "table"
+    set: list[str] = []
+    remember_features: bool | None = None  # None: the table's
+
+    @model_validator(mode="after")
+    def _complete(self) -> Row:
+        if self.kind == "zero-shot":
+            if self.method or self.grid or self.set:
+                raise ValueError("a zero-shot row trains nothing: it takes no method, grid or set")
+            return self
+        if self.method is None or self.grid is None:
+            raise ValueError("a federated row needs a method and a grid")
+        get_method(self.method)  # raises naming the registered methods
+        for override in self.set:
+            if override.split("=", 1)[0] in ("federation.method", "optimizer.lr", "federation.first_order_lr",
+                                             "federation.rounds", "train.seed"):
+                raise ValueError(f"{override!r}: the runner sets that key (method, lr, rounds, seed)")
+        return self
 
 
-def rounds_for(row: str, trainable: str, budget: float) -> int:
-    return max(1, int(budget // (PER_ROUND * per_client_round_cost(row, trainable))))
+class Table(_Strict):
+    title: str
+    trainable: list[str]
+    pass_fraction: str  # the share of the blocks a perturbed pass runs with the prefix cached, e.g. "4/30"
+    remember_features: bool = False
+    rows: dict[str, Row] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _fraction(self) -> Table:
+        try:
+            value = Fraction(self.pass_fraction)
+        except (ValueError, ZeroDivisionError):
+            raise ValueError(f"pass_fraction {self.pass_fraction!r} is not a fraction such as 4/30") from None
+        if not 0 <= value <= 1:
+            raise ValueError(f"pass_fraction {self.pass_fraction} must lie in [0, 1]")
+        return self
+
+    @property
+    def fraction(self) -> float:
+        return float(Fraction(self.pass_fraction))
 
 
-def grid(row: str, lrs: list[float] | None = None, factors: list[float] | None = None) -> list[tuple[float, float]]:
-    """The (client lr, server lr factor) points a row is tuned on; `lrs`/`factors` replace the defaults."""
-    kind = "first_order" if get_method(ROWS[row][0]).first_order else "zo"
-    default_factors = [1.0] if kind == "first_order" else SERVER_FACTORS  # FedAvg's server step is plain averaging
-    return [(lr, f) for lr in (lrs or CLIENT_LRS[kind]) for f in (factors or default_factors)]
+class Protocol(_Strict):
+    federation: Federation
+    datasets: list[str] = Field(min_length=1)
+    seeds: Seeds
+    grids: dict[str, list[float]]
+    tables: dict[str, Table] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _names(self) -> Protocol:
+        unknown = [d for d in self.datasets if d not in TASKS]
+        if unknown:
+            raise ValueError(f"datasets {unknown} have no template in benchmarks/calibrate.py TASKS ({list(TASKS)})")
+        for table_name, table in self.tables.items():
+            for name, row in table.rows.items():
+                if row.grid is not None and row.grid not in self.grids:
+                    raise ValueError(f"table {table_name}, row {name}: grid {row.grid!r} is not one of "
+                                     f"{list(self.grids)}")
+                kind = "first-order" if row.method and get_method(row.method).first_order else "zo"
+                if row.grid is not None and (row.grid == "zo") != (kind == "zo"):
+                    raise ValueError(f"table {table_name}, row {name}: a {kind} row on the {row.grid!r} grid")
+        return self
 
 
-def row_key(phase: str, row: str, trainable: str, dataset: str, alpha: float, seed: int, lr: float, factor: float,
-            budget: float) -> str:
-    return f"{phase}|{row}|{trainable}|{dataset}|{alpha}|{seed}|{lr:g}|{factor:g}|{budget:g}"
+def load_protocol(path: Path = PROTOCOL) -> Protocol:
+    """The protocol in `path`, checked; a bad file raises SystemExit naming the file and each problem."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise SystemExit(f"{path}: cannot read the protocol: {err}") from None
+    try:
+        return Protocol.model_validate(data)
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        raise SystemExit(f"{path}: not a valid ranking protocol: {problems}") from None
 
 
-def choices(table: dict) -> dict[str, dict]:
-    """Per (dataset, trainable set, budget, row): the grid point with the best validation accuracy among the
-    tuning rows, averaged over the seeds that point was tuned on (one seed carries about 2.4 points of standard
-    error on 400 validation examples, as large as the margins being ranked)."""
-    scores: dict[str, dict[tuple[float, float], list[float]]] = {}
-    for r in table["rows"].values():
+@lru_cache(maxsize=1)
+def protocol() -> Protocol:
+    return load_protocol()
+
+
+def shape_overrides(p: Protocol) -> list[str]:
+    """The federation's shape, shared by every row."""
+    f = p.federation
+    return [f"model.name={f.model}", f"federation.partition.num_clients={f.clients}",
+            f"federation.clients_per_round={f.per_round}", f"federation.partition.scheme={f.scheme}",
+            f"federation.partition.test_fraction={f.test_fraction}",
+            f"data.validation_examples={f.validation_examples}", f"data.eval_examples={f.eval_examples}",
+            f"task.max_length={f.max_length}", f"train.eval_batch_size={f.eval_batch_size}"]
+
+
+def check_names(p: Protocol, table: str, rows: list[str] | None = None, datasets: list[str] | None = None) -> None:
+    """SystemExit naming a table, row or dataset the protocol does not hold."""
+    if table not in p.tables:
+        raise SystemExit(f"table {table!r} is not in {PROTOCOL.name}: choose one of {list(p.tables)}")
+    bad_rows = [r for r in rows or [] if r not in p.tables[table].rows]
+    if bad_rows:
+        raise SystemExit(f"rows {bad_rows} are not in table {table!r} of {PROTOCOL.name}: choose among "
+                         f"{list(p.tables[table].rows)}")
+    bad = [d for d in datasets or [] if d not in p.datasets]
+    if bad:
+        raise SystemExit(f"datasets {bad} are not in {PROTOCOL.name}: choose among {p.datasets}")
+
+
+def row_overrides(p: Protocol, table: str, row: str, dataset: str | None = None) -> list[str]:
+    """A row's config overrides without its lr, rounds, seed, evaluation split and output: the shape, the
+    dataset's task, the table's trainable set (unless the recipe or the row names it) and the row's own set."""
+    t, r = p.tables[table], p.tables[table].rows[row]
+    trainable = t.trainable if r.trainable == "table" else []
+    remember = t.remember_features if r.remember_features is None else r.remember_features
+    task = [*TASKS[dataset], f"data.source=shared:{dataset}"] if dataset is not None else []
+    method = [f"federation.method={r.method}"] if r.method else []
+    return [*shape_overrides(p), *task, *trainable, *r.set, *method, *(REMEMBER_FEATURES if remember else [])]
+
+
+def row_digest(p: Protocol, table: str, row: str) -> str:
+    """A short hash of what defines a row (its overrides without the dataset): a stored row whose digest differs
+    was run under another protocol."""
+    text = json.dumps([row_overrides(p, table, row), p.federation.budget, p.tables[table].pass_fraction])
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def lr_key(p: Protocol, table: str, row: str) -> str:
+    method = p.tables[table].rows[row].method
+    return "federation.first_order_lr" if method and get_method(method).first_order else "optimizer.lr"
+
+
+def base_config(p: Protocol, table: str, row: str, dataset: str | None = None) -> FederatedConfig:
+    """A row's config before the runner's lr, rounds and seed: what the cost model and the report read."""
+    return load_config(None, row_overrides(p, table, row, dataset), schema=FederatedConfig)
+
+
+def pass_fraction(p: Protocol, table: str, config: FederatedConfig) -> float:
+    """The share of the blocks a perturbed pass runs: the table's when the prefix is cached, else all of them."""
+    return p.tables[table].fraction if config.zo.prefix_cache else 1.0
+
+
+@cache
+def _cost(table: str, row: str) -> float:
+    p = protocol()
+    config = base_config(p, table, row)
+    plan = federation_plan(config, p.federation.clients, pass_fraction(p, table, config))
+    method = get_method(config.federation.method)
+    return method.forward_passes(get_method(plan.method).round_plan(plan.round(0), plan.sampling))
+
+
+def per_client_round_cost(table: str, row: str) -> float:
+    """Forward-pass equivalents one client spends in a round of this row, as its method counts them (0 for a row
+    that trains nothing)."""
+    if protocol().tables[table].rows[row].kind == "zero-shot":
+        return 0.0
+    return _cost(table, row)
+
+
+def rounds_for(table: str, row: str) -> int:
+    """The rounds the budget buys this row (0 for a row that trains nothing)."""
+    p = protocol()
+    cost = per_client_round_cost(table, row)
+    return 0 if cost == 0 else max(1, int(p.federation.budget // (p.federation.per_round * cost)))
+
+
+def grid(p: Protocol, table: str, row: str) -> list[float]:
+    """The client lrs a row is tuned on (none for a row that trains nothing)."""
+    r = p.tables[table].rows[row]
+    return [] if r.grid is None else list(p.grids[r.grid])
+
+
+def row_key(phase: str, table: str, row: str, dataset: str, alpha: float, seed: int, lr: float) -> str:
+    return f"{phase}|{table}|{row}|{dataset}|{alpha}|{seed}|{lr:g}"
+
+
+def setting_key(table: str, dataset: str, alpha: float, row: str) -> str:
+    return f"{table}|{dataset}|{alpha}|{row}"
+
+
+def is_current(p: Protocol, stored: dict) -> bool:
+    """Whether a stored row belongs to the protocol as it is: its table, row, dataset and alpha exist, its seed
+    and lr are the phase's, and what defines the row has not changed since it ran."""
+    table = p.tables.get(stored.get("table", ""))
+    if table is None or stored.get("row") not in table.rows or stored.get("dataset") not in p.datasets:
+        return False
+    if stored.get("alpha") not in p.federation.alphas or stored.get("phase") not in ("tune", "final"):
+        return False
+    if stored["seed"] not in getattr(p.seeds, stored["phase"]):
+        return False
+    lrs = grid(p, stored["table"], stored["row"])
+    if lrs and not any(abs(stored["lr"] - lr) <= 1e-12 * lr for lr in lrs):
+        return False
+    return stored.get("protocol") == row_digest(p, stored["table"], stored["row"])
+
+
+def current_rows(p: Protocol, table: dict) -> tuple[list[dict], int]:
+    """The stored rows of the current protocol, and how many others the table holds."""
+    rows = list(table["rows"].values())
+    kept = [r for r in rows if is_current(p, r)]
+    return kept, len(rows) - len(kept)
+
+
+def choices(rows: list[dict]) -> dict[str, dict]:
+    """Per (table, dataset, alpha, row): the lr with the best mean validation accuracy over the seeds it was tuned
+    on; a point tuned on more seeds is never beaten by one tuned on fewer."""
+    scores: dict[str, dict[float, list[float]]] = {}
+    for r in rows:
         if r["phase"] == "tune":
-            key = setting_key(r["dataset"], r["trainable"], r["budget"], r["row"])
-            scores.setdefault(key, {}).setdefault((r["lr"], r["server_factor"]), []).append(r["final_accuracy"])
+            key = setting_key(r["table"], r["dataset"], r["alpha"], r["row"])
+            scores.setdefault(key, {}).setdefault(r["lr"], []).append(r["final_accuracy"])
     chosen = {}
     for key, points in scores.items():
-        # the most seeds first: a point tuned on more seeds is not beaten by a lucky single seed
-        (lr, factor), accs = max(points.items(), key=lambda kv: (len(kv[1]), float(np.mean(kv[1]))))
-        chosen[key] = {"lr": lr, "server_factor": factor, "validation_accuracy": float(np.mean(accs)),
-                       "seeds": len(accs), "tried": sorted(f"({a:g}, {b:g})" for a, b in points)}
+        lr, accs = max(points.items(), key=lambda kv: (len(kv[1]), float(np.mean(kv[1]))))
+        chosen[key] = {"lr": lr, "validation_accuracy": float(np.mean(accs)), "seeds": len(accs),
+                       "tried": sorted(points)}
     return chosen
 
 
-def setting_key(dataset: str, trainable: str, budget: float, row: str) -> str:
-    return f"{dataset}|{trainable}|{budget:g}|{row}"
+def pending_runs(p: Protocol, table: str, phase: str, rows: list[str], datasets: list[str],
+                 done: set[str], chosen: dict[str, dict]) -> tuple[list[tuple], list[str]]:
+    """The runs still to do, ordered by seed, then dataset, then row, then grid point (a partial sitting gives
+    every row its first seed early), and notes on rows left out (a final without tuning rows). A run is the
+    tuple (phase, table, row, dataset, alpha, seed, lr); a zero-shot row runs once per dataset, in the finals."""
+    notes, runs = [], []
+    seeds = getattr(p.seeds, phase)
+    for seed in seeds:
+        for dataset in datasets:
+            for alpha in p.federation.alphas if phase == "final" else p.federation.alphas[:1]:
+                for row in rows:
+                    spec = p.tables[table].rows[row]
+                    if spec.kind == "zero-shot":
+                        points = [0.0] if phase == "final" and seed == seeds[0] else []
+                    elif phase == "tune":
+                        points = grid(p, table, row)
+                    else:
+                        c = chosen.get(setting_key(table, dataset, p.federation.alphas[0], row))
+                        if c is None:
+                            if seed == seeds[0]:
+                                notes.append(f"no tuning rows for {row} on {dataset}: run --phase tune first; left "
+                                             "out")
+                            continue
+                        points = [c["lr"]]
+                    runs += [(phase, table, row, dataset, alpha, seed, lr) for lr in points
+                             if row_key(phase, table, row, dataset, alpha, seed, lr) not in done]
+    return runs, notes
+
+
+def run_overrides(p: Protocol, phase: str, table: str, row: str, dataset: str, alpha: float, seed: int,
+                  lr: float, out: Path) -> list[str]:
+    """Every override of one run: the row's, then what the runner sets (lr, rounds, cadence, split, seed)."""
+    rounds = rounds_for(table, row)
+    runner = [f"data.evaluate_on={'validation' if phase == 'tune' else 'test'}",
+              f"federation.partition.alpha={alpha}", f"federation.partition.seed={seed}", f"train.seed={seed}",
+              f"out_dir={out}"]
+    if rounds:
+        runner += [f"{lr_key(p, table, row)}={lr}", f"federation.rounds={rounds}",
+                   f"federation.eval_every={max(1, rounds // p.federation.evaluations)}"]
+    return [*row_overrides(p, table, row, dataset), *runner]
+
+
+# zofed's two components, and what makes each active in a resolved config
+COMPONENTS = {"block_sampling": "personalized block sampling (each client draws the block a step perturbs from "
+                                "its own distribution)",
+              "server_momentum": "global adaptive server momentum"}
+
+
+def zofed_settings(config: FederatedConfig, trainable_tensors: int) -> dict:
+    """zofed's resolved settings in a config, and which of its two components they leave active: block sampling
+    needs more than one block to draw from (fl/personal.py draws each step's block from the client's pi), the
+    adaptive server any optimizer other than plain averaging (sgd)."""
+    fed, zo = config.federation, config.zo
+    server = fed.server_optimizer.resolved(fed.method, fed.rounds)
+    blocks = fed.sampling.blocks or trainable_tensors
+    return {"estimator": zo.resolved_estimator(fed.method), "queries": zo.queries, "local_steps": fed.local_steps,
+            "batch_size": config.train.batch_size, "feature_cache": fed.feature_cache,
+            "scalar_bits": fed.scalar_bits, "logit_adjust": fed.logit_adjust, "average_from": fed.average_from,
+            "prefix_cache": zo.prefix_cache, "server_optimizer": server["name"], "server_lr": server["lr"],
+            "personalize": fed.sampling.personalize, "blocks": blocks, "recipe": fed.recipe,
+            "active": {"block_sampling": fed.sampling.personalize and blocks > 1,
+                       "server_momentum": server["name"] != "sgd"}}

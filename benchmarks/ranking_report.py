@@ -1,38 +1,35 @@
-"""The ranking benchmark's report (docs/results/ranking.md and its figures), written from the rows alone: the
-tuning choices, the final rows with their spread, zofed against the best ZO baseline and the learning-speed
-issue's targets."""
+"""The ranking benchmark's report (docs/results/ranking.md, its figures and the README's summary), written from
+the protocol (benchmarks/ranking.yaml) and the stored rows of that protocol alone: every number is computed here,
+and a row not run yet is listed as missing."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 from curve_plot import draw_seed_band, label_and_save  # benchmarks/ is the script's own directory
 from ranking_protocol import (
-    BATCH,
-    CLIENT_LRS,
-    CLIENTS,
-    LOCAL_STEPS,
-    PER_ROUND,
+    COMPONENTS,
     RESULTS,
-    ROWS,
-    SERVER_FACTORS,
-    TRAINABLE,
-    VALIDATION,
+    ROOT,
+    Protocol,
+    base_config,
     choices,
+    current_rows,
+    per_client_round_cost,
+    protocol,
+    rounds_for,
     setting_key,
+    zofed_settings,
 )
 
 from zofed.atomic_files import write_atomic_text
 from zofed.fl.methods import get_method
 
-
-def by_setting(rows: list[dict]) -> dict[tuple, list[dict]]:
-    """Rows grouped by (dataset, alpha, trainable set, budget): the rows one table or figure compares."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in rows:
-        groups.setdefault((r["dataset"], r["alpha"], r["trainable"], r["budget"]), []).append(r)
-    return dict(sorted(groups.items()))
+README = ROOT / "README.md"
+BEGIN, END = "<!-- ranking:begin -->", "<!-- ranking:end -->"
+COST_MODEL = RESULTS / "cost_model.json"
 
 
 def reached(curve: list[list[float]], target: float) -> float | None:
@@ -41,148 +38,132 @@ def reached(curve: list[list[float]], target: float) -> float | None:
     return next((point[0] for point in curve if point[3] >= target - 1e-9), None)
 
 
-def judged_row(chosen: dict[str, dict], dataset: str, trainable: str, budget: float) -> tuple[str, float | None]:
-    """The zofed row a setting's targets are judged on, and its validation accuracy: of the zofed variants tuned
-    there, the best on validation (zofed's levers are chosen the way its lr is, never on the test split), whether
-    or not it has final rows yet; plain `zofed` where none was tuned."""
-    tuned = {n: c["validation_accuracy"] for n in ROWS if ROWS[n][0] == "zofed"
-             and (c := chosen.get(setting_key(dataset, trainable, budget, n))) is not None}
-    if not tuned:
-        return "zofed", None
-    best = max(tuned, key=tuned.__getitem__)
-    return best, tuned[best]
-
-
 def current_finals(rows: list[dict]) -> list[dict]:
-    """The final rows run at the grid point tuning chooses now: a row tuned again on more points may choose another
-    lr, and its finals at the old one then describe a setting no longer chosen (kept in the table, not reported)."""
-    chosen = choices({"rows": dict(enumerate(rows))})
+    """The final rows run at the lr tuning chooses now (a row tuned again may choose another; its finals at the
+    old lr stay in the JSON, unreported). A zero-shot row has no lr to choose."""
+    chosen = choices(rows)
 
     def current(r: dict) -> bool:
-        c = chosen.get(setting_key(r["dataset"], r["trainable"], r["budget"], r["row"]))
-        return c is None or (r["lr"], r["server_factor"]) == (c["lr"], c["server_factor"])
+        c = chosen.get(setting_key(r["table"], r["dataset"], r["alpha"], r["row"]))
+        return c is None or r["lr"] == c["lr"]
 
     return [r for r in rows if r["phase"] == "final" and current(r)]
 
 
-def summary_lines(rows: list[dict]) -> list[str]:
-    lines = []
-    finals = current_finals(rows)
-    stale = sum(r["phase"] == "final" for r in rows) - len(finals)
-    if stale:
-        lines += [f"{stale} final rows were run at a grid point their row's tuning no longer chooses; they stay in "
-                  "ranking.json and are left out below.", ""]
-    chosen = choices({"rows": dict(enumerate(rows))})
-    for (dataset, alpha, trainable, budget), group in by_setting(finals).items():
-        by_row: dict[str, list[dict]] = {}
-        for r in group:
-            by_row.setdefault(r["row"], []).append(r)
-        lines += [f"### {dataset}, alpha {alpha}, trainable set {trainable}, budget {budget:,.0f} passes", "",
-                  "| row | seeds | final accuracy (mean ± std) | subset accuracy at the end | rounds | passes "
-                  "| bytes up / client / round |", "|" + "---|" * 7]
-        for name, rs in by_row.items():
-            acc = np.array([r["final_accuracy"] for r in rs])
-            end = np.mean([r["curve"][-1][3] for r in rs])
-            spread = f"{acc.std(ddof=1):.4f}" if len(acc) > 1 else "n/a"  # the sample standard deviation
-            lines.append(f"| {name} | {len(rs)} | {acc.mean():.4f} ± {spread} | {end:.4f} | {rs[0]['rounds']} "
-                         f"| {rs[0]['forward_passes']:,.0f} | {rs[0]['bytes_up_per_client_round']:,.0f} |")
-        mine, validation = judged_row(chosen, dataset, trainable, budget)
-        if validation is not None:
-            lines += ["", f"zofed's row here, the zofed variant with the best validation accuracy: {mine} "
-                          f"({validation:.4f})."]
-        fedavg = [r for r in finals if r["row"] == "fedavg-lora" and (r["dataset"], r["alpha"], r["budget"])
-                  == (dataset, alpha, budget)]  # its own trainable set, whatever the ZO rows train
-        lines += comparison_lines(by_row, mine, fedavg, alpha)
-        lines += same_engine_lines(by_row, fedavg)
-        lines.append("")
+def kind_of(p: Protocol, table: str, row: str) -> str:
+    """zero-shot, zofed, zo (a ZO baseline) or first-order."""
+    spec = p.tables[table].rows[row]
+    if spec.kind == "zero-shot":
+        return "zero-shot"
+    if spec.method == "zofed":
+        return "zofed"
+    return "first-order" if get_method(spec.method).first_order else "zo"
+
+
+def paired(mine: list[dict], theirs: list[dict]) -> tuple[list[int], np.ndarray]:
+    """The seeds both have, and zofed's paired final-accuracy differences on them in points; a row of one seed
+    (zero-shot: deterministic) pairs with every seed."""
+    a = {r["seed"]: r["final_accuracy"] for r in mine}
+    if len(theirs) == 1 and theirs[0]["row"] == "zero-shot":
+        b = dict.fromkeys(a, theirs[0]["final_accuracy"])
+    else:
+        b = {r["seed"]: r["final_accuracy"] for r in theirs}
+    seeds = sorted(a.keys() & b.keys())
+    return seeds, np.array([a[s] - b[s] for s in seeds]) * 100
+
+
+def _mean_std(rs: list[dict]) -> str:
+    acc = np.array([r["final_accuracy"] for r in rs])
+    return f"{acc.mean():.4f} ± {acc.std(ddof=1):.4f}" if len(acc) > 1 else f"{acc.mean():.4f}"
+
+
+def settings_lines(p: Protocol, table: str, rows: list[dict]) -> list[str]:
+    """zofed's resolved settings on a table and which of its two components they leave active."""
+    config = base_config(p, table, "zofed")
+    tensors = next((r["trainable_tensors"] for r in rows if r["table"] == table and "trainable_tensors" in r
+                    and p.tables[table].rows[r["row"]].trainable != "own"), None)
+    s = zofed_settings(config, tensors or 0)
+    lines = [f"zofed's row is `zofed run`'s own settings here (recipe {s['recipe']}): {s['estimator']} estimator, "
+             f"{s['queries']} queries a step, {s['local_steps']} local steps of batch {s['batch_size']}, feature cache "
+             f"{s['feature_cache']} examples a client round, {s['scalar_bits']}-bit scalars, logit adjustment "
+             f"{s['logit_adjust']:g}, tail averaging from {s['average_from']}, prefix cache {s['prefix_cache']}, "
+             f"server optimizer {s['server_optimizer']} (lr {s['server_lr']:g}), block sampling over "
+             f"{s['blocks'] or 'an unknown number of'} blocks (personalize {s['personalize']})."]
+    states = dict(s["active"])
+    if tensors is None:  # the block count is read from a run's trainable tensors
+        del states["block_sampling"]
+        lines.append(f"Whether {COMPONENTS['block_sampling']} is active is known once a row of this table has run "
+                     "(it needs more than one block to draw from).")
+    active = [COMPONENTS[k] for k, on in states.items() if on]
+    inactive = [COMPONENTS[k] for k, on in states.items() if not on]
+    if active or tensors is None:
+        text = "; ".join([*(f"active: {c}" for c in active), *(f"inactive: {c}" for c in inactive)])
+        lines.append(text[:1].upper() + text[1:] + ".")
+    if tensors is not None and not active:
+        sided = "one-sided (forward)" if s["estimator"] == "forward" else "two-sided (central)"
+        lines.append(f"Neither of zofed's two components is active here ({'; '.join(inactive)}): on this table "
+                     f"zofed's row is zo-seeds with {sided} queries ({s['queries']} a step) on its engine.")
     return lines
 
 
-TARGET_SEEDS = 5  # the seeds the learning-speed issue's targets are judged on, at the headline alpha
-HEADLINE_ALPHA, OTHER_ALPHA_SEEDS = 0.1, 3  # the issue runs its other alpha on 2-3 seeds
-
-
-def comparison_lines(by_row: dict[str, list[dict]], zofed: str = "zofed",
-                     fedavg: list[dict] | None = None, alpha: float = HEADLINE_ALPHA) -> list[str]:
-    """zofed (its row `zofed`) against the best ZO baseline of one setting, and the learning-speed issue's
-    targets, from the rows; `fedavg`: FedAvg with LoRA's rows (default: the setting's own). Away from the
-    headline alpha the targets' measures are read on fewer seeds, as the issue runs that alpha."""
-    if zofed not in by_row:
-        return ["", f"{zofed} has no final rows here yet: the targets are not judged."]
-    baselines = {n: rs for n, rs in by_row.items() if ROWS[n][0] != "zofed" and not ROWS[n][1]
-                 and not get_method(ROWS[n][0]).first_order}  # published ZO algorithms, without the lever
+def dataset_lines(p: Protocol, table: str, dataset: str, alpha: float, rows: list[dict]) -> list[str]:
+    """One dataset's table: each row's chosen lr, final accuracy, cost and rounds; the missing rows; zofed's
+    paired differences; the compute to reach the best ZO baseline."""
+    chosen = choices(rows)
+    finals = [r for r in current_finals(rows) if (r["table"], r["dataset"], r["alpha"]) == (table, dataset, alpha)]
+    by_row = {name: [r for r in finals if r["row"] == name] for name in p.tables[table].rows}
+    if not any((r["table"], r["dataset"]) == (table, dataset) for r in rows):
+        return [f"### {dataset}, alpha {alpha}", "", "Not run yet: no row has a tuning or final run here."]
+    lines = [f"### {dataset}, alpha {alpha}", "",
+             "| row | chosen lr | validation accuracy (tune seeds) | test accuracy (mean ± std) | final seeds "
+             "| uplink bytes / client round | passes / client round | rounds |", "|" + "---|" * 8]
+    missing = []
+    for name, rs in by_row.items():
+        c = chosen.get(setting_key(table, dataset, p.federation.alphas[0], name))
+        tuned = f"{c['lr']:g}" if c else "n/a"
+        validation = f"{c['validation_accuracy']:.4f} ({c['seeds']})" if c else "n/a"
+        trains = kind_of(p, table, name) != "zero-shot"
+        tuned_seeds, final_seeds = (c["seeds"] if c else 0), len(p.seeds.final) if trains else 1
+        short = [f"tuned on {tuned_seeds} of {len(p.seeds.tune)} seeds"] * (trains and tuned_seeds < len(p.seeds.tune))
+        short += [f"final on {len(rs)} of {final_seeds}"] * (len(rs) < final_seeds)
+        if short:
+            missing.append(f"{name} ({', '.join(short)})")
+        up = f"{np.mean([r['bytes_up_per_client_round'] for r in rs]):,.0f}" if rs else "n/a"
+        accuracy = _mean_std(rs) if rs else "missing"
+        lines.append(f"| {name} | {tuned} | {validation} | {accuracy} | {len(rs)} | {up} "
+                     f"| {per_client_round_cost(table, name):g} | {rounds_for(table, name)} |")
+    if missing:
+        lines += ["", "Still missing: " + ", ".join(missing) + "."]
+    zofed = by_row.get("zofed", [])
+    if not zofed:
+        return [*lines, "", "zofed has no final rows here yet: no differences are computed."]
+    lines += ["", "zofed minus each row, paired by seed (points of test accuracy, standard error over seeds):", ""]
+    for name, rs in by_row.items():
+        seeds, diff = paired(zofed, rs)
+        if name == "zofed" or not seeds:
+            continue
+        se = f"{diff.std(ddof=1) / np.sqrt(len(diff)):.2f}" if len(diff) > 1 else "n/a"
+        lines.append(f"- {name}: {diff.mean():+.2f} (standard error {se}) over seeds {seeds}")
+    baselines = {n: rs for n, rs in by_row.items() if rs and kind_of(p, table, n) == "zo"}
     if not baselines:
-        return ["", "No published ZO baseline (without zofed's engine lever) has final rows here yet: the targets "
-                    "are not judged."]
-    # a baseline is compared once it has every seed zofed has, and on those seeds only
-    zofed_seeds = {r["seed"] for r in by_row[zofed]}
-    baselines = {n: [r for r in rs if r["seed"] in zofed_seeds] for n, rs in baselines.items()}
-    lines = []
-    partial = sorted(n for n, rs in baselines.items() if len(rs) < len(zofed_seeds))
-    if partial:
-        lines += ["", f"Not compared yet, fewer seeds than zofed's {len(zofed_seeds)}: "
-                  + ", ".join(f"{n} ({len(baselines[n])})" for n in partial) + "."]
-    baselines = {n: rs for n, rs in baselines.items() if n not in partial}
-    if not baselines:
-        return lines
+        return [*lines, "", "No ZO baseline has final rows here yet: the compute to reach one is not computed."]
     best = max(baselines, key=lambda n: np.mean([r["curve"][-1][3] for r in baselines[n]]))
     target = float(np.mean([r["curve"][-1][3] for r in baselines[best]]))
-    lines += ["", f"The best ZO baseline here is {best} (subset accuracy {target:.4f} at the end of its "
-                  "budget). Compute each row needs to reach it, mean over its seeds that reach it:", ""]
+    lines += ["", f"The best ZO baseline by final subset accuracy is {best} ({target:.4f} at the end of its budget, "
+                  f"{len(baselines[best])} seeds). Compute each row needs to reach it, mean over its seeds that do:",
+              ""]
     for name, rs in by_row.items():
+        if not rs or not rs[0]["curve"]:
+            continue
         got = [h for h in (reached(r["curve"], target) for r in rs) if h is not None]
         lines.append(f"- {name}: " + (f"{np.mean(got):,.0f} forward passes ({len(got)} of {len(rs)} seeds)"
-                                      if got else f"not reached by any of {len(rs)} seeds"))
-    mine = {r["seed"]: r for r in by_row[zofed]}
-    theirs = {r["seed"]: r for r in baselines[best]}
-    seeds = sorted(mine.keys() & theirs.keys())
-    needed = TARGET_SEEDS if alpha == HEADLINE_ALPHA else OTHER_ALPHA_SEEDS
-    lines += ["", "Targets (the learning-speed issue, from these rows):" if alpha == HEADLINE_ALPHA else
-              f"The targets' measures at alpha {alpha} (the issue sets its targets at alpha {HEADLINE_ALPHA} on "
-              f"{TARGET_SEEDS} seeds, and runs this alpha on {OTHER_ALPHA_SEEDS}):", ""]
-    # fewer seeds than the setting runs can only say a target is on track
-    met = "met" if len(seeds) >= needed else f"met on {len(seeds)} of the {needed} seeds so far"
-    hits = [reached(mine[s]["curve"], target) for s in seeds]
-    spent = float(np.mean([theirs[s]["forward_passes"] for s in seeds]))
-    zero_shot = float(np.mean([theirs[s]["curve"][0][3] for s in seeds]))
-    if all(h is not None for h in hits):
-        share = float(np.mean(hits)) / spent
-        lines.append(f"- Half the compute: {zofed} reaches {best}'s final subset accuracy at {share:.2f} of {best}'s "
-                     f"{spent:,.0f} passes on average: " + (met if share <= 0.5 else f"missed by {share - 0.5:.2f}")
-                     + (f" (an empty bar: {best} ends at or below the zero-shot subset accuracy, {zero_shot:.4f})"
-                        if target <= zero_shot + 1e-9 else ""))
-    else:
-        lines.append(f"- Half the compute: missed, {sum(h is None for h in hits)} of {zofed}'s {len(hits)} seeds never "
-                     f"reach {best}'s final subset accuracy")
-    # the margin is judged against the baseline with the best final accuracy on the whole test split, which need
-    # not be the one whose curve ends highest on the watched subset
-    strongest = max(baselines, key=lambda n: np.mean([r["final_accuracy"] for r in baselines[n]]))
-    seeds = sorted(mine.keys() & {r["seed"] for r in baselines[strongest]})
-    if len(seeds) >= 2:
-        diff = paired(by_row[zofed], baselines[strongest])[1]
-        se = diff.std(ddof=1) / np.sqrt(len(diff))
-        verdict = met if diff.mean() >= 2 and diff.mean() >= 2 * se else "missed"
-        lines.append(f"- {zofed} minus {strongest} (the baseline with the best final accuracy), paired over seeds "
-                     f"{seeds}: {diff.mean():+.2f} points (standard error {se:.2f}); at least +2 points and two "
-                     f"standard errors: {verdict}")
-    fedavg = [r for r in (by_row.get("fedavg-lora", []) if fedavg is None else fedavg) if r["seed"] in zofed_seeds]
-    if len(fedavg) == len(zofed_seeds):
-        gap = 100 * (np.mean([r["final_accuracy"] for r in fedavg])
-                     - np.mean([r["final_accuracy"] for r in mine.values()]))
-        standing = f"leads {zofed} by {gap:.2f} points" if gap > 0 else f"is {-gap:.2f} points behind {zofed}"
-        lines.append(f"- FedAvg with LoRA {standing}; within 3 points: " + ("met" if gap <= 3 else "missed"))
-    else:
-        lines.append(f"- FedAvg with LoRA: final rows on {len(fedavg)} of {zofed}'s {len(zofed_seeds)} seeds here; "
-                     "within 3 points: not judged yet")
-    up = float(np.mean([r["bytes_up_per_client_round"] for r in mine.values()]))
-    lines.append(f"- {zofed}'s uplink: {up:,.0f} bytes per client and round; at most 1 KB: "
-                 + ("met" if up <= 1024 else "missed"))
+                                      if got else f"not reached by any of its {len(rs)} seeds"))
     return lines
 
 
-def plot_curves(groups: dict[str, list[dict]], title: str, path: Path) -> None:
-    """Accuracy against client compute, uplink bytes per client and rounds: per row the mean over its seeds, with
-    the seeds' range as a band (rows of one setting share their evaluation points)."""
+def plot_curves(groups: dict[str, list[dict]], title: str, path: Path, zero_shot: float | None = None) -> None:
+    """Accuracy against client compute, uplink bytes per client and rounds: per row the mean over its seeds with
+    the seeds' range as a band; zero-shot's whole-split accuracy as a grey line."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(15, 4.2))
@@ -190,82 +171,158 @@ def plot_curves(groups: dict[str, list[dict]], title: str, path: Path) -> None:
     for name, rs in groups.items():
         curves = np.array([r["curve"] for r in rs if len(r["curve"]) == len(rs[0]["curve"])])
         draw_seed_band(axes, name, curves, curves[:, :, 3])
-    label_and_save(fig, axes, "accuracy", title, path)
+    if zero_shot is not None:
+        for ax in axes:
+            ax.axhline(zero_shot, color="grey", linestyle=":", label="zero-shot (whole test split)")
+    ends = [rs[0]["curve"][-1][1] for rs in groups.values()]
+    wide = min(ends) > 0 and max(ends) > 100 * min(ends)  # a dense uplink beside scalar ones: a log axis shows both
+    if wide:
+        axes[1].set_xscale("symlog", linthresh=min(ends) / 10)
+        axes[1].set_xlim(left=0)
+    label_and_save(fig, axes, "accuracy", title, path, ", log scale" if wide else "")
 
 
-def figures(rows: list[dict]) -> list[str]:
-    """One figure per setting: the final rows (test subset), or while there are none, each row's chosen tuning
-    run (validation); returns the markdown that shows them."""
-    lines = []
-    chosen = choices({"rows": dict(enumerate(rows))})
-    current = {id(r) for r in current_finals(rows)}
-    for (dataset, alpha, trainable, budget), same in by_setting(rows).items():
-        finals = [r for r in same if id(r) in current]
-        if finals:
-            picked, what = finals, "final rows, test subset"
-        else:
-            picked = [r for r in same if r["phase"] == "tune"
-                      and (r["lr"], r["server_factor"]) == tuple(chosen[setting_key(
-                          dataset, trainable, budget, r["row"])][k] for k in ("lr", "server_factor"))]
-            what = "tuning runs at each row's chosen point, validation, one seed"
-        groups: dict[str, list[dict]] = {}
-        for r in picked:
-            groups.setdefault(r["row"], []).append(r)
-        name = f"ranking_{dataset}_a{alpha}_{trainable}_b{budget:g}.png"
-        plot_curves(groups, f"{dataset}, alpha {alpha}, {trainable}, {budget:,.0f} passes ({what})", RESULTS / name)
-        lines += [f"![{dataset} {trainable}]({name})", ""]
-    return lines
+def figure_lines(p: Protocol, table: str, dataset: str, alpha: float, rows: list[dict]) -> list[str]:
+    """One figure per (table, dataset, alpha): the final rows (test subset), or while a row has none, its chosen
+    tuning runs (validation)."""
+    chosen = choices(rows)
+    finals = current_finals(rows)
+    groups: dict[str, list[dict]] = {}
+    zero_shot = next((r["final_accuracy"] for r in finals if r["row"] == "zero-shot"
+                      and (r["table"], r["dataset"], r["alpha"]) == (table, dataset, alpha)), None)
+    for name in p.tables[table].rows:
+        same = [r for r in rows if (r["table"], r["dataset"], r["alpha"], r["row"]) == (table, dataset, alpha, name)
+                and r["curve"]]
+        picked = [r for r in same if r in finals]
+        c = chosen.get(setting_key(table, dataset, alpha, name))
+        if not picked and c is not None:
+            picked = [r for r in same if r["phase"] == "tune" and r["lr"] == c["lr"]]
+            name = f"{name} (validation)"
+        if picked:
+            groups[name] = picked
+    if not groups:
+        return []
+    png = f"ranking_{table}_{dataset}_a{alpha}.png"
+    plot_curves(groups, f"{table}: {dataset}, alpha {alpha}, {p.federation.budget:,.0f} passes", RESULTS / png,
+                zero_shot)
+    return ["", f"![{table} {dataset}]({png})"]
 
 
-def paired(mine: list[dict], theirs: list[dict]) -> tuple[list[int], np.ndarray]:
-    """The seeds both row lists have, and the paired final-accuracy differences on them in points."""
-    a, b = {r["seed"]: r for r in mine}, {r["seed"]: r for r in theirs}
-    seeds = sorted(a.keys() & b.keys())
-    return seeds, np.array([a[s]["final_accuracy"] - b[s]["final_accuracy"] for s in seeds]) * 100
+def cost_model_lines() -> list[str]:
+    """The cost model's measured ratios beside its rule, where docs/results/cost_model.json holds them."""
+    if not COST_MODEL.is_file():
+        return []
+    try:
+        data = json.loads(COST_MODEL.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        return ["## Cost model", "", f"{COST_MODEL.name} could not be read: {err}."]
+    pairs = []
+
+    def walk(node: object, path: str) -> None:
+        if isinstance(node, dict):
+            if "measured" in node and "rule" in node:
+                name = node.get("row", node.get("name", path or "(top)"))
+                pairs.append(f"| {name} | {node.get('what', '')} | {_number(node['measured'])} "
+                             f"| {_number(node['rule'])} |")
+            for key, value in node.items():
+                walk(value, f"{path}.{key}" if path else str(key))
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                walk(value, f"{path}[{i}]")
+
+    walk(data, "")
+    if not pairs:
+        return ["## Cost model", "", f"{COST_MODEL.name} holds no measured/rule pairs."]
+    return ["## Cost model", "", f"Each step's cost in full forward passes, measured on this machine against the rule "
+            f"the rows are charged by ({COST_MODEL.name}):", "", "| entry | what | measured | rule |",
+            "|---|---|---|---|", *pairs]
 
 
-def same_engine_lines(by_row: dict[str, list[dict]], fedavg: list[dict]) -> list[str]:
-    """Each zofed variant row against the baseline given the same lever (its row name with the method swapped:
-    zofed-features-cached against hiso-features-cached), and against FedAvg with LoRA, on the seeds they share:
-    how much of a margin is the method's and how much the engine's."""
-    lines = []
-    for name, rs in by_row.items():
-        method, _, lever = name.partition("-")
-        if method != "zofed" or not lever:
+def _number(value: object) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def protocol_lines(p: Protocol) -> list[str]:
+    f = p.federation
+    return ["## Protocol (benchmarks/ranking.yaml)", "",
+            f"{f.model}; {f.clients} clients under {f.scheme} label skew (alpha {', '.join(map(str, f.alphas))}), "
+            f"{f.per_round} a round, {f.test_fraction:g} of each client's examples held out; the same client "
+            f"compute for every row: {f.budget:,.0f} forward-pass equivalents of the full model summed over the "
+            f"federation (rounds = budget // ({f.per_round} x the row's passes per client round)). Each row's client "
+            f"lr is tuned on its grid ({'; '.join(f'{k}: {v}' for k, v in p.grids.items())}) on seeds "
+            f"{p.seeds.tune}, scored on a {f.validation_examples}-example validation split carved from the training "
+            f"data; finals at the chosen lr on seeds {p.seeds.final}, on the whole test split (curves on a fixed "
+            f"{f.eval_examples}-example subset). Datasets: {', '.join(p.datasets)}. Reproduce: "
+            "`.venv/bin/python benchmarks/ranking.py --phase tune`, then `--phase final`."]
+
+
+def benchmarks_section(table: dict) -> str:
+    """The README's summary of the ranking: per dataset of the first table, zofed against the best ZO baseline,
+    the first-order row on the same set and zero-shot, or that it has not run yet."""
+    p = protocol()
+    name = next(iter(p.tables))
+    rows, _ = current_rows(p, table)
+    finals = current_finals(rows)
+    alpha = p.federation.alphas[0]
+    lines = [f"Ranking ([docs/results/ranking.md](docs/results/ranking.md)), table {name}, "
+             f"{p.federation.budget:,.0f} passes of client compute, alpha {alpha}; test accuracy mean ± std (seeds):",
+             ""]
+    for dataset in p.datasets:
+        by_row: dict[str, list[dict]] = {}
+        for r in finals:
+            if (r["table"], r["dataset"], r["alpha"]) == (name, dataset, alpha):
+                by_row.setdefault(r["row"], []).append(r)
+        if "zofed" not in by_row:
+            lines.append(f"- {dataset}: not run yet")
             continue
-        # a per-class head changes only what zofed's block sampling chooses among (a baseline perturbs every
-        # tensor each step), so its baseline row is the one with the one-tensor head
-        lever = lever.removeprefix("perclass-")
-        others = [(f"{m}-{lever}", by_row[f"{m}-{lever}"]) for m in sorted({ROWS[n][0] for n in ROWS} - {"zofed"})
-                  if f"{m}-{lever}" in by_row]
-        for label, theirs in [*others, ("fedavg-lora", fedavg)]:
-            seeds, diff = paired(rs, theirs)
-            if not seeds:
-                continue
-            se = f"{diff.std(ddof=1) / np.sqrt(len(diff)):.2f}" if len(diff) > 1 else "n/a"
-            lines.append(f"- {name} minus {label}, paired over seeds {seeds}: {diff.mean():+.2f} points (standard "
-                         f"error {se})")
-    return (["", "The same engine (a zofed variant against the baseline row with its lever, and against FedAvg "
-             "with LoRA):", "", *lines] if lines else [])
+        parts = [f"zofed {_mean_std(by_row['zofed'])} ({len(by_row['zofed'])})"]
+        zo = {n: rs for n, rs in by_row.items() if kind_of(p, name, n) == "zo"}
+        if zo:
+            best = max(zo, key=lambda n: np.mean([r["final_accuracy"] for r in zo[n]]))
+            parts.append(f"best ZO baseline {best} {_mean_std(zo[best])} ({len(zo[best])})")
+        for other in [n for n in p.tables[name].rows if kind_of(p, name, n) == "first-order"][:1]:
+            if other in by_row:
+                parts.append(f"{other} {_mean_std(by_row[other])} ({len(by_row[other])})")
+        if "zero-shot" in by_row:
+            parts.append(f"zero-shot {by_row['zero-shot'][0]['final_accuracy']:.4f}")
+        lines.append(f"- {dataset}: " + "; ".join(parts))
+    return "\n".join(lines)
+
+
+def update_readme(section: str, path: Path | None = None) -> bool:
+    """Rewrite the README's text between the ranking markers; False (nothing written) where they are absent."""
+    path = path or README
+    if not path.is_file():
+        return False
+    text = path.read_text()
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        return False
+    new = text[:start + len(BEGIN)] + "\n" + section + "\n" + text[end:]
+    if new != text:
+        write_atomic_text(path, new)
+    return True
 
 
 def write_report(table: dict) -> None:
-    rows = list(table["rows"].values())
-    lines = ["# Ranking federated methods at equal client compute", "",
-             f"SmolLM2-135M; {CLIENTS} clients (Dirichlet label skew), {PER_ROUND} a round, {LOCAL_STEPS} local steps "
-             f"of batch {BATCH}; the same client compute (forward-pass equivalents of the full model, summed over "
-             f"the federation) for every row; settings tuned on a {VALIDATION}-example validation split carved from "
-             "the training data; final accuracy on the full test split, curves on a fixed 300-example test subset. "
-             "Reproduce: `.venv/bin/python benchmarks/ranking.py --phase tune`, then `--phase final`.", "",
-             "Trainable sets: " + "; ".join(f"`{k}`: {' '.join(v[0])}" for k, v in TRAINABLE.items()) + ".", "",
-             "## Tuning choices", "", "| dataset | trainable | budget | row | client lr | server lr factor "
-             "| validation accuracy | seeds | grid points run (client lr, server factor) |", "|" + "---|" * 9]
-    for key, c in sorted(choices(table).items()):
-        dataset, trainable, budget, row = key.split("|")
-        lines.append(f"| {dataset} | {trainable} | {budget} | {row} | {c['lr']:g} | {c['server_factor']:g} "
-                     f"| {c['validation_accuracy']:.4f} | {c['seeds']} | {', '.join(c['tried'])} |")
-    lines += ["", f"The full grid: client lr {CLIENT_LRS} and server lr factors {SERVER_FACTORS} (first-order rows: "
-              "1); a row tuned on fewer points says so in its last column. A point's validation accuracy is its "
-              "mean over the seeds it was tuned on; a point tuned on more seeds is preferred to one tuned on fewer.",
-              "", "## Final rows", "", *summary_lines(rows), "## Curves", "", *figures(rows)]
+    p = protocol()
+    rows, old = current_rows(p, table)
+    if old:
+        print(f"{old} stored rows belong to another protocol: left out of the report", flush=True)
+    lines = ["# Ranking federated methods at equal client compute", "", *protocol_lines(p)]
+    for name, t in p.tables.items():
+        mine = [r for r in rows if r["table"] == name]
+        lines += ["", f"## Table {name}: {t.title}", "", *settings_lines(p, name, mine), "",
+                  "Rows: " + ", ".join(f"{n} ({kind_of(p, name, n)})" for n in t.rows) + "."]
+        if not mine:
+            lines += ["", "Not run yet."]
+            continue
+        for dataset in p.datasets:
+            for alpha in p.federation.alphas:
+                lines += ["", *dataset_lines(p, name, dataset, alpha, mine),
+                          *figure_lines(p, name, dataset, alpha, mine)]
+    cost = cost_model_lines()
+    if cost:
+        lines += ["", *cost]
     write_atomic_text(RESULTS / "ranking.md", "\n".join(lines) + "\n")
+    update_readme(benchmarks_section(table))

