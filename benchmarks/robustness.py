@@ -1,8 +1,8 @@
 """Benchmark of zofed's defenses against lying clients, and of what client-level privacy costs.
 
-Protocol: the ranking benchmark's federation (benchmarks/ranking_protocol.py: SmolLM2, 50 clients under Dirichlet
-label skew alpha 0.1, 5 a round, the label head, the same client compute as the ranking's rows) running zofed's
-row there, the zofed variant the ranking chose on validation (`--row` for another) at its tuned lr; the test split;
+Protocol: the ranking benchmark's federation (benchmarks/ranking.yaml: SmolLM2, 50 clients under Dirichlet label
+skew alpha 0.1, 5 a round, the label head, the same client compute as the ranking's rows) running zofed's row of
+its head table, `zofed run` as it ships (`--row` for another row of that table), at its tuned lr; the test split;
 seed 0 (`--seed` for another: each seed runs its own reference and calibrates its own clip norm, and the report
 pairs every row with its seed's reference). Rows:
 
@@ -41,9 +41,8 @@ from collections import Counter
 
 import numpy as np
 import torch
-from ranking import _config  # benchmarks/ is the script's own directory, so first on sys.path
-from ranking_protocol import RESULTS, ROOT, choices, setting_key
-from ranking_report import judged_row
+from ranking import run_config  # benchmarks/ is the script's own directory, so first on sys.path
+from ranking_protocol import RESULTS, ROOT, choices, current_rows, protocol, setting_key
 from row_pool import record_rows, run_rows
 
 from zofed.atomic_files import write_atomic_text
@@ -68,7 +67,7 @@ DEFENSES = {"mean": [], "clip": ["clip"], "trimmed-mean": ["federation.aggregato
 NAMED_ONLY = ("screen-loo", "screen-agree", "clip+agree")
 EPSILONS = [1.0, 3.0, 8.0]
 DELTA = 1e-5
-TRAINABLE, BUDGET, ALPHA = "head", 1000.0, 0.1
+TABLE, ALPHA = "head", 0.1  # the ranking's table and alpha whose rows are attacked
 KEPT_QUANTILES = [0.5, 0.75, 0.9, 0.95]  # of the honest norms, in the reference row: clip norms without its run dir
 
 
@@ -77,7 +76,8 @@ def row_key(dataset: str, row: str, attack: str, fraction: float, defense: str, 
 
 
 def ranking_choices() -> dict[str, dict]:
-    return choices(json.loads((RESULTS / "ranking.json").read_text()))
+    """Each ranking row's chosen lr, from the rows of the ranking's current protocol."""
+    return choices(current_rows(protocol(), json.loads((RESULTS / "ranking.json").read_text()))[0])
 
 
 def noise_for_epsilon(epsilon: float, num_clients: int, per_round: int, rounds: int) -> float:
@@ -118,12 +118,11 @@ def honest_quantile(table: dict, key: str, quantile: float) -> float:
 
 def row_config(dataset: str, row: str, attack: str, fraction: float, defense: str, seed: int, clip: float | None,
                out) -> FederatedConfig:
-    choice = ranking_choices().get(setting_key(dataset, TRAINABLE, BUDGET, row))
+    choice = ranking_choices().get(setting_key(TABLE, dataset, ALPHA, row))
     if choice is None:
-        raise SystemExit(f"{row} was never tuned on {dataset} ({TRAINABLE}, budget {BUDGET:g}): run "
+        raise SystemExit(f"{row} was never tuned on {dataset} (ranking table {TABLE}): run "
                          f"benchmarks/ranking.py --phase tune for it first")
-    base = _config("final", row, TRAINABLE, dataset, ALPHA, seed, choice["lr"], choice["server_factor"], BUDGET,
-                   out)
+    base = run_config("final", TABLE, row, dataset, ALPHA, seed, choice["lr"], out)
     extra = [f"attack.kind={attack}", f"attack.fraction={fraction}"] if attack != "none" else []
     fed = base.federation
     if defense.startswith("dp-"):  # dp-EPSILON@qQUANTILE: the clip norm `clip` is that quantile's
@@ -298,7 +297,7 @@ def main() -> None:
     parser.add_argument("--defenses", nargs="*", default=[d for d in DEFENSES if d not in NAMED_ONLY],
                         choices=list(DEFENSES))
     parser.add_argument("--epsilons", type=float, nargs="*", default=EPSILONS)
-    parser.add_argument("--row", help="the ranking row to attack (default: zofed's row, chosen on validation)")
+    parser.add_argument("--row", default="zofed", help="the ranking row to attack (default: zofed's, as it ships)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--clip-quantile", type=float, default=0.9, help="the clip norm against attacks")
     parser.add_argument("--dp-clip-quantile", type=float, default=0.5, help="the clip norm of the DP rows")
@@ -316,7 +315,7 @@ def main() -> None:
         return
     table["meta"] = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__}
     for dataset in args.datasets:  # the reference first: the clip norm is calibrated from its uplinks
-        row = args.row or judged_row(ranking_choices(), dataset, TRAINABLE, BUDGET)[0]
+        row = args.row
         key = row_key(dataset, row, "none", 0.0, "mean", args.seed)
         if key not in table["rows"]:
             reference = [(dataset, row, "none", 0.0, "mean", args.seed, None)]

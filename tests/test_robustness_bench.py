@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import ranking_protocol  # noqa: E402
 import robustness  # noqa: E402
 
 from zofed.fl.privacy import epsilon_spent  # noqa: E402
@@ -54,21 +55,26 @@ def test_the_report_judges_the_targets_from_the_rows():
     assert "not run yet" in "\n".join(robustness.report_lines([_row("scale", 0.2, "mean", 0.6)]))
 
 
+def _tuned(row: str, lr: float, accuracy: float, seed: int = 0) -> dict:
+    """A tuning row of the ranking's current protocol (benchmarks/ranking.yaml)."""
+    return {"phase": "tune", "table": "head", "row": row, "dataset": "agnews", "alpha": 0.1, "seed": seed, "lr": lr,
+            "final_accuracy": accuracy, "protocol": ranking_protocol.row_digest(ranking_protocol.protocol(), "head",
+                                                                                 row)}
+
+
 def test_each_row_runs_the_chosen_zofed_row_with_its_attack_and_defense(tmp_path, monkeypatch):
-    tuned = {"phase": "tune", "trainable": "head", "dataset": "agnews", "budget": 1000.0, "server_factor": 1.0}
-    table = {"rows": {"a": {**tuned, "row": "zofed", "lr": 0.001, "final_accuracy": 0.78},
-                      "b": {**tuned, "row": "zofed-averaged-cached", "lr": 0.003, "final_accuracy": 0.83}}}
+    table = {"rows": {"a": _tuned("zofed", 0.001, 0.78), "b": _tuned("zofed", 0.003, 0.83),
+                      "c": {**_tuned("zofed", 0.01, 0.9), "protocol": "old"}}}  # another protocol's: ignored
     results = tmp_path / "results"
     results.mkdir()
     (results / "ranking.json").write_text(__import__("json").dumps(table))
     monkeypatch.setattr(robustness, "RESULTS", results)
-    # the attacked row is the zofed variant chosen on validation, with its own levers and lr
-    row = robustness.judged_row(robustness.ranking_choices(), "agnews", robustness.TRAINABLE, robustness.BUDGET)[0]
-    assert row == "zofed-averaged-cached"
+    # the attacked row is zofed's as it ships (the head recipe) at the lr its tuning chose
+    row = "zofed"
     config = robustness.row_config("agnews", row, "scale", 0.2, "median", 0, 1.5, tmp_path / "run")
     assert (config.attack.kind, config.attack.fraction, config.federation.aggregator) == ("scale", 0.2, "median")
     assert config.federation.method == "zofed" and config.optimizer.lr == 0.003
-    assert config.trainable.label_head and config.federation.local_steps == 12
+    assert config.trainable.label_head and config.federation.recipe == "head"
     assert config.federation.server_optimizer.name == "sgd"
     clipped = robustness.row_config("agnews", row, "stale", 0.1, "clip", 0, 1.5, tmp_path / "run")
     assert clipped.federation.clip_norm == 1.5 and clipped.federation.aggregator == "mean"
@@ -119,11 +125,9 @@ def test_seed_grinding_is_an_attack_row_and_the_report_says_why_its_uplinks_were
     assert "- seed-grind at 20% under clip (seed 0): uplinks refused 2 for screened, 40 for seeds" in text
     assert "- seed-grind at 20% under mean (seed 0): uplinks refused 40 for seeds" in text
     assert "seed-grind at 10%" not in text
-    tuned = {"phase": "tune", "trainable": "head", "dataset": "agnews", "budget": 1000.0, "server_factor": 1.0}
     results = tmp_path / "results"
     results.mkdir()
-    (results / "ranking.json").write_text(__import__("json").dumps(
-        {"rows": {"a": {**tuned, "row": "zofed", "lr": 0.001, "final_accuracy": 0.78}}}))
+    (results / "ranking.json").write_text(__import__("json").dumps({"rows": {"a": _tuned("zofed", 0.001, 0.78)}}))
     monkeypatch.setattr(robustness, "RESULTS", results)
     config = robustness.row_config("agnews", "zofed", "seed-grind", 0.2, "mean", 0, 1.5, tmp_path / "run")
     assert (config.attack.kind, config.attack.fraction) == ("seed-grind", 0.2)
