@@ -15,6 +15,7 @@ Every model comes back in fp32, in eval mode, on the CPU, with a tokenizer that 
 from __future__ import annotations
 
 import importlib.util
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -98,6 +99,11 @@ def resolve_model_dir(name: str) -> Path:
     return _hub_snapshot(name)
 
 
+# transformers' loader builds a model under process-wide settings (the default device, meta-tensor init): two
+# loads in two threads at once break each other, so a process loads one model at a time.
+_LOADING = threading.Lock()
+
+
 def load_model(name: str, kind: str | None = None, num_labels: int | None = None,
                head_seed: int = 0) -> LoadedModel:
     """Load `name` as a causal LM or as an encoder with a fresh `num_labels`-way classification head.
@@ -120,16 +126,16 @@ def load_model(name: str, kind: str | None = None, num_labels: int | None = None
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        if kind == CAUSAL_LM:
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-        else:
-            # The new head's weights come from the global RNG: a fixed seed in a forked stream.
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(streams.head_init(head_seed))
-                model = AutoModelForSequenceClassification.from_pretrained(
-                    source, num_labels=num_labels, dtype=torch.float32
-                )
+        with _LOADING:  # one load at a time in a process (see _LOADING)
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            if kind == CAUSAL_LM:
+                model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+            else:
+                # The new head's weights come from the global RNG: a fixed seed in a forked stream.
+                with streams.seeded_global_rng(streams.head_init(head_seed)):
+                    model = AutoModelForSequenceClassification.from_pretrained(
+                        source, num_labels=num_labels, dtype=torch.float32
+                    )
     # OSError: missing/unreadable weight or tokenizer files; ValueError: an architecture or tokenizer this
     # transformers version does not know. Chained, so the original traceback stays visible.
     except (OSError, ValueError) as error:

@@ -153,8 +153,7 @@ def select_trainable(model: torch.nn.Module, config: TrainableConfig) -> tuple[t
                           layers_to_transform=_lora_blocks(model, config.lora_layers))
         linear = _linear_names(model)  # before peft wraps the model
         try:
-            with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG stream untouched
-                torch.manual_seed(streams.lora_init(config.init_seed))
+            with streams.seeded_global_rng(streams.lora_init(config.init_seed)):
                 model = get_peft_model(model, lora)
         except ValueError as err:  # peft: "Target modules {...} not found in the base model", or unsupported
             raise ModelLoadError(
