@@ -54,3 +54,9 @@ bench-instruction: setup
 # zofed's defenses against lying clients and the accuracy privacy costs (docs/security.md); ARGS as above
 bench-robustness: setup
 	$(PY) benchmarks/robustness.py $(ARGS)
+
+# The client-compute rule (src/zofed/fl/cost.py) against measured step times on SmolLM2-135M, one thread by default
+# (writes docs/results/cost_model.json and .md); ARGS e.g. --threads 2
+.PHONY: bench-cost-model
+bench-cost-model: setup
+	$(PY) benchmarks/cost_model.py $(ARGS)

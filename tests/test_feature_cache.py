@@ -60,9 +60,11 @@ def test_a_run_on_cached_features_charges_them_once_a_round_learns_and_replays(t
                                    "federation.feature_cache=20", "federation.local_steps=25", "optimizer.lr=0.05",
                                    "federation.rounds=4")
     results = run_federated(config, show_progress=False)
-    # 20 examples in batches of 8 a client round, and 25 steps over the head alone on top
-    assert results["forward_passes_per_client_round"] == pytest.approx(20 / 8)
-    assert results["forward_passes"] == pytest.approx(4 * 2 * 20 / 8)
+    # 20 examples in batches of 8 a client round, and 25 steps of 8 one-sided queries (9 passes) over the head alone
+    # (its share of a full pass: the final norm and 2 label rows of the tiny Llama, 96 of 18,624 multiply-adds)
+    per_client = 20 / 8 + 25 * 9 * (32 * 3 / (2 * 9280 + 32 * 2))
+    assert results["forward_passes_per_client_round"] == pytest.approx(per_client)
+    assert results["forward_passes"] == pytest.approx(4 * 2 * per_client)
     rounds = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][1:]
     assert all(r["accepted"] == 2 for r in rounds)
     # the watched examples, not the train loss: each round's train loss is over other clients' examples
@@ -77,10 +79,6 @@ def test_cached_features_are_refused_where_they_cannot_be_the_model_s_input(tiny
     config = tiny_federated_config(tiny_workspace, tmp_path / "b", "trainable.mode=patterns", "zo.prefix_cache=true",
                                    "trainable.patterns=['layers\\.1\\..*norm\\.weight$']", "federation.feature_cache=8")
     with pytest.raises(ConfigError, match="needs every block of the model frozen"):
-        run_federated(config, show_progress=False)
-    config = tiny_federated_config(tiny_workspace, tmp_path / "c", *HEAD, "federation.method=fedavg",
-                                   "federation.feature_cache=8")
-    with pytest.raises(ConfigError, match="fedavg back-propagates"):
         run_federated(config, show_progress=False)
 
 

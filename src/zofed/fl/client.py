@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from zofed import streams
-from zofed.data.tasks import Encoded, Task, label_shift
+from zofed.data.tasks import Encoded, Task, label_shift, shifted
 from zofed.fl.plan import LocalTraining
 from zofed.fl.protocol import ClientUpdate
 from zofed.fl.updates import StepSeeds
@@ -91,13 +92,25 @@ class RoundFeatures:
     features: torch.Tensor
     labels: torch.Tensor
 
-    def step_loss(self, ctx: ClientContext, local: LocalTraining, client_id: int, step: int, cache: PrefixCache,
-                  shift: torch.Tensor | None):
-        """The loss of local step `step`'s batch, drawn from the cached examples as `local_batch` draws."""
+    def batch(self, local: LocalTraining, client_id: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The features and labels of local step `step`'s batch, drawn from the cached examples as `local_batch`
+        draws."""
         rows = torch.as_tensor(batch_rows(local, client_id, np.arange(len(self.labels)), step),
                                device=self.labels.device)
-        features, labels = self.features[rows], self.labels[rows]
+        return self.features[rows], self.labels[rows]
+
+    def step_loss(self, ctx: ClientContext, local: LocalTraining, client_id: int, step: int, cache: PrefixCache,
+                  shift: torch.Tensor | None):
+        """The loss of local step `step`'s batch, as a function of the trainable head (a ZO step's loss)."""
+        features, labels = self.batch(local, client_id, step)
         return lambda: ctx.task.feature_loss(ctx.model, cache, features, labels, shift)
+
+    def loss_tensor(self, ctx: ClientContext, local: LocalTraining, client_id: int, step: int, cache: PrefixCache,
+                    shift: torch.Tensor | None) -> torch.Tensor:
+        """The loss of local step `step`'s batch as a tensor, differentiable in the final norm and the head alone
+        (the features are fixed): a first-order step's loss."""
+        features, labels = self.batch(local, client_id, step)
+        return F.cross_entropy(shifted(ctx.task.feature_logits(ctx.model, cache, features), shift), labels)
 
 
 def round_features(ctx: ClientContext, local: LocalTraining, client_id: int, indices: np.ndarray,

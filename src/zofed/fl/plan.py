@@ -36,6 +36,10 @@ class LocalTraining:
     blocks: int = 0  # zofed: how many blocks the trainable tensors are cut into (0: one per tensor)
     shared_seeds: int = 0  # zofed: 1 when the round's clients share their step seeds
     pass_fraction: float = 1.0  # share of the model's blocks a perturbed pass runs (below 1: prefix caching)
+    # shares of a full pass the client's compute is counted with (fl/cost.py): back-propagation's, from the lowest
+    # trainable tensor to the output, and the label head's, which a step on cached features runs
+    backward_fraction: float = 1.0
+    head_fraction: float = 0.0
     estimator: str = "central"  # the two-point estimate of every step (zo/step.py)
     optimizer: str = "mezo"  # the clients' local ZO optimizer, from zero state every round (FEDERATED_OPTIMIZERS)
     momentum: float = 0.9  # zo-sgd-momentum
@@ -91,6 +95,8 @@ class FederationPlan:
     sampling: BlockSampling = field(default_factory=BlockSampling)
     first_order_optimizer: str = "adamw"
     pass_fraction: float = 1.0
+    backward_fraction: float = 1.0
+    head_fraction: float = 0.0
     estimator: str = "central"
     optimizer: str = "mezo"
     momentum: float = 0.9

@@ -15,13 +15,14 @@ import csv
 import io
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -29,6 +30,7 @@ from zofed import streams
 from zofed.atomic_files import remove_stale_temporaries, write_atomic_text
 from zofed.data.generation import showing_generation
 from zofed.data.partition import ClientSplit, client_splits, format_summary, plot_partition, summarize
+from zofed.data.tasks import Task
 from zofed.fl.aggregate import make_aggregator
 from zofed.fl.attacks import Attack
 from zofed.fl.client import ClientContext
@@ -46,6 +48,7 @@ from zofed.run.setup import Setup, build, eval_indices, save_final
 from zofed.run.stored_config import check_resumed_config, config_yaml, dump_config, with_prompt_format
 from zofed.run.uplink_log import LOG_NAME, LogError, UplinkLog
 from zofed.sim.engine import simulate
+from zofed.zo.prefix import backward_fraction, head_fraction
 
 
 def client_eval_indices(split: ClientSplit, cap: int | None, seed: int) -> np.ndarray:
@@ -232,18 +235,18 @@ def make_client_role(config: FederatedConfig, ctx: ClientContext, num_clients: i
 
 
 def make_server(config: FederatedConfig, trainable: TrainableParams, num_clients: int, pass_fraction: float,
-                optimizer: ServerOptimizer | None = None, screen: Screen | None = None) -> ServerRole:
+                optimizer: ServerOptimizer | None = None, screen: Screen | None = None, *,
+                backward_fraction: float = 1.0, head_fraction: float = 0.0) -> ServerRole:
     """The server role of a run, from its config and its starting trainable tensors (and the run's screen, which
-    needs the model and probe data: a replay leaves it out, as its log holds only the updates that passed)."""
+    needs the model and probe data: a replay leaves it out, as its log holds only the updates that passed).
+    The fractions are the shares of a full pass a client's compute is counted with (`model_shares`)."""
     fed = config.federation
-    if fed.feature_cache and get_method(fed.method).first_order:
-        raise ConfigError(f"federation.feature_cache steps a ZO client on cached features; {fed.method} "
-                          "back-propagates through the model (set it to 0)")
     if fed.feature_cache and pass_fraction != 0:
         raise ConfigError(f"federation.feature_cache needs every block of the model frozen (the label head alone: "
                           f"trainable.mode=none trainable.label_head=true); this run's trainable tensors make a "
                           f"perturbed pass run {pass_fraction:.3f} of the blocks")
-    plan = federation_plan(config, num_clients, pass_fraction)
+    plan = federation_plan(config, num_clients, pass_fraction, backward_fraction=backward_fraction,
+                           head_fraction=head_fraction)
     try:
         return ServerRole(plan, trainable.tensors(), trainable.masks,
                           optimizer or fed.server_optimizer.build(fed.method, fed.rounds),
@@ -251,6 +254,14 @@ def make_server(config: FederatedConfig, trainable: TrainableParams, num_clients
                           fed.dp_delta, fed.dp_at == "client", fed.average_start())
     except ValueError as err:  # the method's own settings that cannot go with the rest (e.g. a tilt without momentum)
         raise ConfigError(f"federation: {err}") from None
+
+
+def model_shares(model: torch.nn.Module, trainable_names: Sequence[str], task: Task) -> dict[str, float]:
+    """The shares of a full forward pass that the cost rule (fl/cost.py) counts a client's steps with, measured
+    from the model's weights: back-propagation's and the label head's (`make_server`'s keyword arguments)."""
+    classes = task.num_classes or 0
+    return {"backward_fraction": backward_fraction(model, trainable_names, task.full_vocabulary, classes),
+            "head_fraction": head_fraction(model, classes)}
 
 
 def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Console | None = None) -> FederatedRun:
@@ -289,9 +300,10 @@ def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Conso
 
     screen = None if fed.screen_threshold is None else probe_loss_screen(
         setup, fed.screen_examples, config.train.seed, fed.screen_threshold, fed.screen_score, config.zo.eps)
-    server = make_server(config, setup.trainable, len(splits), setup.pass_fraction, server_optimizer, screen)
+    server = make_server(config, setup.trainable, len(splits), setup.pass_fraction, server_optimizer, screen,
+                         **model_shares(setup.model, setup.trainable.names, setup.task))
     plan = server.plan
-    metrics = MetricsLog(out / "metrics.jsonl")
+    metrics = MetricsLog(out / "metrics.jsonl", config.tensorboard_dir)
     start_round = 0
     if find_checkpoint(out / "checkpoint") is not None:
         saved, meta = load_checkpoint(out / "checkpoint")

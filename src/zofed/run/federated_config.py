@@ -340,9 +340,12 @@ CENTRALIZED_ONLY = {
 }
 
 
-def federation_plan(config: FederatedConfig, num_clients: int, pass_fraction: float = 1.0) -> FederationPlan:
+def federation_plan(config: FederatedConfig, num_clients: int, pass_fraction: float = 1.0, *,
+                    backward_fraction: float = 1.0, head_fraction: float = 0.0) -> FederationPlan:
     """The plan of a configured run over `num_clients` clients (the partition decides how many);
-    `pass_fraction` is the share of blocks a perturbed pass runs (the setup's prefix cache knows it)."""
+    `pass_fraction` is the share of blocks a perturbed pass runs (the setup's prefix cache knows it), and
+    `backward_fraction` and `head_fraction` the shares a client's compute is counted with (fl/cost.py). A
+    first-order client runs the whole model (pass_fraction 1) unless it steps on cached features."""
     fed, sampling = config.federation, config.federation.sampling
     method = get_method(fed.method)
     settings: dict[str, Any] = {
@@ -353,7 +356,8 @@ def federation_plan(config: FederatedConfig, num_clients: int, pass_fraction: fl
         "noise": config.zo.noise, "pool_size": fed.pool_size,
         "sampling": BlockSampling(**sampling.model_dump(exclude={"personalize"})),
         "first_order_optimizer": fed.first_order_optimizer,
-        "pass_fraction": 1.0 if method.first_order else pass_fraction,
+        "pass_fraction": 1.0 if method.first_order and not fed.feature_cache else pass_fraction,
+        "backward_fraction": backward_fraction, "head_fraction": head_fraction,
         "estimator": config.zo.resolved_estimator(fed.method),
         "optimizer": "mezo" if method.first_order else config.optimizer.name, "momentum": config.optimizer.momentum,
         "beta1": config.optimizer.beta1, "beta2": config.optimizer.beta2, "logit_adjust": fed.logit_adjust,

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from zofed.fl.client import ClientContext, run_zo_client
+from zofed.fl.cost import round_passes
 from zofed.fl.personal import BlockSampling
 from zofed.fl.plan import FederationPlan, LocalTraining
 from zofed.fl.pooled import PooledTerms, RoundSteps, StepBlocks, pool_steps
@@ -29,7 +30,6 @@ from zofed.fl.updates import Directions, StepSeeds
 from zofed.zo.noise import derive_seed
 from zofed.zo.optim import OptState
 from zofed.zo.perturb import Perturbation
-from zofed.zo.prefix import forward_equivalents
 from zofed.zo.step import StepRecord
 
 
@@ -98,15 +98,9 @@ class Method:
         return local
 
     def forward_passes(self, local: LocalTraining) -> float:
-        """One client's compute in a round, in forward passes of the full model: two per query and step, or
-        with a cached prefix its frozen bottom once and two passes over the top per query (zo/prefix.py). With
-        cached features (every block frozen) the model runs once over the round's `feature_cache` examples, a pass
-        for each batch's worth, and the steps after it run the final norm and the head alone, counted as nothing
-        as a cached pass counts no embedding or head."""
-        step = forward_equivalents(local.pass_fraction, local.queries, local.estimator)
-        if local.feature_cache:
-            return local.feature_cache / local.batch_size + local.local_steps * (step - (1.0 - local.pass_fraction))
-        return local.local_steps * step
+        """One client's compute in a round, in forward passes of the full model, by the rule every method shares
+        (fl/cost.py): ZO steps with or without a cached prefix, back-propagated steps, steps on cached features."""
+        return round_passes(local, self.first_order)
 
     def shares_seeds(self, shared_seeds_setting: bool) -> bool:
         """Whether a round's clients step on the same seeds (what the `seed-median` aggregator needs); zofed's

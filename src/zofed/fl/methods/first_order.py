@@ -3,6 +3,12 @@
 They are the accuracy ceiling and the cost a user pays today: back-propagation memory on every client, and an
 uplink as large as the trainable tensors. The server side is shared with the ZO methods: the mean of the dense
 updates is the pseudo-gradient of the server optimizer (sgd with lr 1 is FedAvg, adam is FedAdam).
+
+With every block frozen and the label head training, their clients step on cached features as the ZO clients do
+(federation.feature_cache; `federation.recipe=head federation.method=fedavg` runs the head recipe this way). Of the
+recipe's settings they read the cached features, logit_adjust and the server's tail averaging; the ZO keys
+(zo.queries, optimizer.lr, scalar_bits) do not apply: the local lr is federation.first_order_lr and the dense
+uplink travels as float32.
 """
 
 from __future__ import annotations
@@ -13,7 +19,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from zofed.fl.client import ClientContext, client_shift, dense_update, load_tensors_, local_batch
+from zofed.fl.client import (
+    ClientContext,
+    client_cache,
+    client_shift,
+    dense_update,
+    load_tensors_,
+    local_batch,
+    round_features,
+)
 from zofed.fl.methods.base import Method, ServerDefault
 from zofed.fl.plan import LocalTraining
 from zofed.fl.protocol import ClientUpdate
@@ -24,7 +38,10 @@ LOCAL_OPTIMIZERS = ("adamw", "sgd")
 def run_first_order_client(ctx: ClientContext, start: Sequence[torch.Tensor], client_id: int, indices: np.ndarray,
                            local: LocalTraining, local_optimizer: str = "adamw"
                            ) -> tuple[ClientUpdate, list[torch.Tensor]]:
-    """`local.local_steps` back-propagation steps from the global weights; uploads the dense update."""
+    """`local.local_steps` back-propagation steps from the global weights; uploads the dense update (float32,
+    whatever `local.scalar_bits` says: that setting narrows ZO scalars). With `local.feature_cache` the client runs
+    that many of its examples through the frozen model once (`round_features`, as a ZO client does) and every step
+    back-propagates through the final norm and the label head alone, on a batch of their last hidden states."""
     if len(indices) == 0:
         raise ValueError(f"client {client_id} has no training examples")
     params = ctx.trainable.params
@@ -36,14 +53,18 @@ def run_first_order_client(ctx: ClientContext, start: Sequence[torch.Tensor], cl
     else:
         raise ValueError(f"unknown first-order local optimizer {local_optimizer!r}; choose adamw or sgd")
     shift = client_shift(ctx, local, indices)
+    cache = client_cache(ctx, local) if local.feature_cache else None
+    features = round_features(ctx, local, client_id, indices, cache) if local.feature_cache else None
     losses = []
     for p in params:
         p.requires_grad_(True)
     try:
         for t in range(local.local_steps):
-            batch = local_batch(ctx, local, client_id, indices, t)
             optimizer.zero_grad(set_to_none=True)
-            loss = ctx.task.loss_tensor(ctx.model, batch, shift)
+            if features is not None:
+                loss = features.loss_tensor(ctx, local, client_id, t, cache, shift)
+            else:
+                loss = ctx.task.loss_tensor(ctx.model, local_batch(ctx, local, client_id, indices, t), shift)
             loss.backward()
             optimizer.step()
             losses.append(float(loss.detach()))
@@ -62,10 +83,6 @@ class FedAvg(Method):
     first_order = True
     dense_uplink = True
     server_default = ServerDefault("sgd", 1.0)
-
-    def forward_passes(self, local: LocalTraining) -> float:
-        """A forward and a backward (two forwards' worth) per local step."""
-        return 3.0 * local.local_steps
 
     def step_seeds(self, local: LocalTraining, client_id: int):
         raise TypeError(f"{self.name} clients back-propagate: their steps have no seeds")

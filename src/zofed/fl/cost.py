@@ -1,0 +1,55 @@
+"""A client's compute in a round, in forward passes of the full model: one rule for ZO and first-order clients.
+
+- A pass through part of the model counts its share of a full pass (the plan's `pass_fraction`,
+  `backward_fraction` and `head_fraction`, measured from the model's weights by zo/prefix.py).
+- A ZO step: the capture pass over the frozen bottom, then its perturbed passes over the top (`forward_equivalents`).
+- A first-order step: one full forward, and a backward worth twice the forward of the part it runs through (from
+  the lowest trainable tensor to the output: for LoRA, the activation gradients down to the lowest adapter and
+  the adapters' weight gradients).
+- Steps on cached features (every block frozen, the label head trains): the body runs once a round over the
+  cached examples, a pass per batch, and each step costs what it runs on the head: its passes (ZO: 2q central or
+  q + 1 one-sided; first-order: a forward and a backward, 3) times the head's share.
+
+benchmarks/cost_model.py times each kind of step against a full forward pass and writes the measured ratios
+beside these (docs/results/cost_model.md).
+"""
+
+from __future__ import annotations
+
+from zofed.fl.plan import LocalTraining
+from zofed.zo.prefix import forward_equivalents
+
+FIRST_ORDER_HEAD_PASSES = 3  # a forward and a backward worth two
+
+
+def first_order_step(backward_fraction: float) -> float:
+    """One back-propagation step: a full forward pass plus a backward through `backward_fraction` of it."""
+    return 1.0 + 2.0 * backward_fraction
+
+
+def zo_passes(queries: int, estimator: str) -> int:
+    """The perturbed passes of one ZO step: two per query (central), or one per query plus the shared centre."""
+    return 2 * queries if estimator == "central" else queries + 1
+
+
+def head_step(head_fraction: float, first_order: bool, queries: int, estimator: str) -> float:
+    """One step on cached features: the passes it makes over the label head, at the head's share of a full pass
+    (a per-position share, which overcounts such a step: zo/prefix.py's `head_fraction`)."""
+    passes = FIRST_ORDER_HEAD_PASSES if first_order else zo_passes(queries, estimator)
+    return passes * head_fraction
+
+
+def step_passes(local: LocalTraining, first_order: bool) -> float:
+    """One local step's compute in full forward passes (without the round's pass over cached features)."""
+    if local.feature_cache:
+        return head_step(local.head_fraction, first_order, local.queries, local.estimator)
+    if first_order:
+        return first_order_step(local.backward_fraction)
+    return forward_equivalents(local.pass_fraction, local.queries, local.estimator)
+
+
+def round_passes(local: LocalTraining, first_order: bool) -> float:
+    """One client's compute in a round: its local steps, plus, with cached features, the body's pass over the
+    round's `feature_cache` examples in batches (`feature_cache / batch_size` full passes)."""
+    body = local.feature_cache / local.batch_size if local.feature_cache else 0.0
+    return body + local.local_steps * step_passes(local, first_order)
