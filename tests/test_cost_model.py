@@ -174,3 +174,20 @@ def test_first_order_cached_features_are_refused_where_blocks_train(tiny_workspa
                                    "federation.feature_cache=8")
     with pytest.raises(ConfigError, match="needs every block of the model frozen"):
         run_federated(config, show_progress=False)
+
+
+def test_fedavg_on_the_head_runs_alike_on_the_flower_backend(tiny_workspace, tmp_path):
+    """The round plan, its shares and cached features included, travels to Flower's clients in the downlink."""
+    pytest.importorskip("flwr", reason="the Flower backend needs flwr (pip install 'zofed[flower]')")
+    from zofed.flower.simulation import run_flower_simulation
+
+    fedavg = (*HEAD_RUN, "federation.method=fedavg", "federation.first_order_optimizer=sgd",
+              "federation.first_order_lr=0.1", "federation.rounds=2")
+    flower = run_flower_simulation(tiny_federated_config(tiny_workspace, tmp_path / "flower", *fedavg),
+                                   show_progress=False)
+    local = run_federated(tiny_federated_config(tiny_workspace, tmp_path / "local", *fedavg), show_progress=False)
+    assert flower["forward_passes"] == pytest.approx(2 * 2 * (1 + 2 * 3 * TINY_HEAD)) == local["forward_passes"]
+    assert flower["test"] == local["test"]
+    heads = [load_file(str(tmp_path / name / "final" / "trainable.safetensors"))["label_head"]
+             for name in ("flower", "local")]
+    assert torch.equal(*heads)
