@@ -32,7 +32,6 @@ RUN_CONFIG_KEYS: dict[str, str] = {
     "eps": "zo.eps",
     "seed": "train.seed",
     "out-dir": "out_dir",
-    "tensorboard-dir": "tensorboard_dir",
 }
 # `lr` is the clients' learning rate: optimizer.lr for the zeroth-order methods, this for the methods whose clients
 # back-propagate (fedavg, fedadam), which never read optimizer.lr

@@ -56,14 +56,15 @@ def dump_config(config: FinetuneConfig, path: Path) -> None:
     write_atomic_text(path, config_yaml(config))  # written whole or not at all
 
 
-# What a resumed run may change: where it lives (and its TensorBoard copy), how long it goes on, how it is evaluated (in batches, how
-# many generations are scored and how many of each client's examples), and whether it keeps its uplink log (a
-# log switched off stops growing, and `zofed replay` then refuses the run; switching it on again mid-run is
-# refused, as the log misses the rounds run without it)
+# What a resumed run may change: where it lives (and its TensorBoard copy), how long it goes on, how it is
+# evaluated (in batches, how many generations are scored and how many of each client's examples), and whether it
+# keeps its uplink log (a log switched off stops growing, and `zofed replay` then refuses the run; switching it on
+# again mid-run is refused, as the log misses the rounds run without it)
 # (train.steps only under a constant lr schedule, federation.rounds only without a cosine server decay).
-RESUMABLE_CHANGES = frozenset({"out_dir", "tensorboard_dir", "train.steps", "federation.rounds", "train.eval_batch_size",
-                               "task.generate_eval", "task.max_new_tokens", "task.curve_max_new_tokens",
-                               "federation.log_uplinks", "federation.client_eval_examples"})
+RESUMABLE_CHANGES = frozenset({"out_dir", "tensorboard_dir", "train.steps", "federation.rounds",
+                               "train.eval_batch_size", "task.generate_eval", "task.max_new_tokens",
+                               "task.curve_max_new_tokens", "federation.log_uplinks",
+                               "federation.client_eval_examples"})
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
