@@ -119,7 +119,7 @@ def run_one(phase: str, table: str, row: str, dataset: str, alpha: float, seed: 
     config = run_config(phase, table, row, dataset, alpha, seed, lr, out)
     results = run_federated(config, resume=find_checkpoint(out / "checkpoint") is not None,
                             show_progress=sys.stderr.isatty())
-    expected = per_client_round_cost(table, row)
+    expected = per_client_round_cost(table, row, dataset)
     if abs(results["forward_passes_per_client_round"] - expected) > 1e-9:  # the row's cost model must be the run's
         raise RuntimeError(f"{row}: the run counted {results['forward_passes_per_client_round']} passes a client "
                            f"round, the benchmark planned {expected}")
@@ -147,13 +147,14 @@ def _process(phase: str, table: str, row: str, dataset: str, alpha: float, seed:
     return {**run_one(phase, table, row, dataset, alpha, seed, lr), "torch_threads": threads}
 
 
-def dry_run(table: str, rows: list[str], pending: list[tuple]) -> None:
-    """Each row's cost and rounds, then the pending runs' keys, in the order they would run."""
+def dry_run(table: str, rows: list[str], datasets: list[str], pending: list[tuple]) -> None:
+    """Each row's cost and rounds on each dataset, then the pending runs' keys, in the order they would run."""
     p = protocol()
-    for row in rows:
-        cost = per_client_round_cost(table, row)
-        print(f"{row}: {cost:g} passes per client round, {rounds_for(table, row)} rounds, "
-              f"{rounds_for(table, row) * p.federation.per_round * cost:g} of {p.federation.budget:g} passes")
+    for dataset in datasets:
+        for row in rows:
+            cost, rounds = per_client_round_cost(table, row, dataset), rounds_for(table, row, dataset)
+            print(f"{dataset} {row}: {cost:g} passes per client round, {rounds} rounds, "
+                  f"{rounds * p.federation.per_round * cost:g} of {p.federation.budget:g} passes")
     for run in pending:
         print(row_key(*run))
 
@@ -186,7 +187,7 @@ def main() -> None:
     for note in notes:
         print(note, flush=True)
     if args.dry_run:
-        dry_run(args.table, rows, pending)
+        dry_run(args.table, rows, args.datasets, pending)
         return
     if shared_data_dir() is None:
         print("skipped: ../shared/data not found (set ZOFED_SHARED_DATA to a folder holding the datasets)")

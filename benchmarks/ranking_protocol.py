@@ -12,13 +12,16 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
+import torch
 import yaml
 from calibrate import REMEMBER_FEATURES, TASKS  # benchmarks/ is the script's own directory, so first on sys.path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from zofed.fl.methods import get_method
 from zofed.run.config import load_config
+from zofed.run.federated import model_shares
 from zofed.run.federated_config import FederatedConfig, federation_plan
+from zofed.run.setup import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
@@ -195,27 +198,41 @@ def pass_fraction(p: Protocol, table: str, config: FederatedConfig) -> float:
     return p.tables[table].fraction if config.zo.prefix_cache else 1.0
 
 
+@lru_cache(maxsize=None)
+def _model_shares(model: str, task: str, trainable: str, classes: int) -> tuple[tuple[str, float], ...]:
+    """The cost rule's shares of a full pass for a task and trainable set (JSON of the config's sections) and a
+    label count, measured from the model's weights as a run measures them (run/federated.py `model_shares`)."""
+    config = load_config(None, [f"model.name={model}"], schema=FederatedConfig)
+    config = config.model_copy(update={"task": type(config.task).model_validate_json(task),
+                                       "trainable": type(config.trainable).model_validate_json(trainable)})
+    built, selected, head = build_model(config, classes, torch.device("cpu"), [f"label{i}" for i in range(classes)])
+    return tuple(model_shares(built, selected.names, head).items())
+
+
 @cache
-def _cost(table: str, row: str) -> float:
+def _cost(table: str, row: str, dataset: str) -> float:
     p = protocol()
-    config = base_config(p, table, row)
-    plan = federation_plan(config, p.federation.clients, pass_fraction(p, table, config))
+    config = base_config(p, table, row, dataset)
+    classes = len(config.task.verbalizer or [])
+    shares = dict(_model_shares(config.model.name, config.task.model_dump_json(), config.trainable.model_dump_json(),
+                                classes))
+    plan = federation_plan(config, p.federation.clients, pass_fraction(p, table, config), **shares)
     method = get_method(config.federation.method)
     return method.forward_passes(get_method(plan.method).round_plan(plan.round(0), plan.sampling))
 
 
-def per_client_round_cost(table: str, row: str) -> float:
-    """Forward-pass equivalents one client spends in a round of this row, as its method counts them (0 for a row
-    that trains nothing)."""
+def per_client_round_cost(table: str, row: str, dataset: str) -> float:
+    """Forward-pass equivalents one client spends in a round of this row on `dataset` (the label head's share
+    depends on its label count), as its method counts them (0 for a row that trains nothing)."""
     if protocol().tables[table].rows[row].kind == "zero-shot":
         return 0.0
-    return _cost(table, row)
+    return _cost(table, row, dataset)
 
 
-def rounds_for(table: str, row: str) -> int:
-    """The rounds the budget buys this row (0 for a row that trains nothing)."""
+def rounds_for(table: str, row: str, dataset: str) -> int:
+    """The rounds the budget buys this row on `dataset` (0 for a row that trains nothing)."""
     p = protocol()
-    cost = per_client_round_cost(table, row)
+    cost = per_client_round_cost(table, row, dataset)
     return 0 if cost == 0 else max(1, int(p.federation.budget // (p.federation.per_round * cost)))
 
 
@@ -304,7 +321,7 @@ def pending_runs(p: Protocol, table: str, phase: str, rows: list[str], datasets:
 def run_overrides(p: Protocol, phase: str, table: str, row: str, dataset: str, alpha: float, seed: int,
                   lr: float, out: Path) -> list[str]:
     """Every override of one run: the row's, then what the runner sets (lr, rounds, cadence, split, seed)."""
-    rounds = rounds_for(table, row)
+    rounds = rounds_for(table, row, dataset)
     runner = [f"data.evaluate_on={'validation' if phase == 'tune' else 'test'}",
               f"federation.partition.alpha={alpha}", f"federation.partition.seed={seed}", f"train.seed={seed}",
               f"out_dir={out}"]

@@ -131,7 +131,7 @@ def dataset_lines(p: Protocol, table: str, dataset: str, alpha: float, rows: lis
         up = f"{np.mean([r['bytes_up_per_client_round'] for r in rs]):,.0f}" if rs else "n/a"
         accuracy = _mean_std(rs) if rs else "missing"
         lines.append(f"| {name} | {tuned} | {validation} | {accuracy} | {len(rs)} | {up} "
-                     f"| {per_client_round_cost(table, name):g} | {rounds_for(table, name)} |")
+                     f"| {per_client_round_cost(table, name, dataset):.4g} | {rounds_for(table, name, dataset)} |")
     if missing:
         lines += ["", "Still missing: " + ", ".join(missing) + "."]
     zofed = by_row.get("zofed", [])
