@@ -198,7 +198,7 @@ def pass_fraction(p: Protocol, table: str, config: FederatedConfig) -> float:
     return p.tables[table].fraction if config.zo.prefix_cache else 1.0
 
 
-@lru_cache(maxsize=None)
+@cache
 def _model_shares(model: str, task: str, trainable: str, classes: int) -> tuple[tuple[str, float], ...]:
     """The cost rule's shares of a full pass for a task and trainable set (JSON of the config's sections) and a
     label count, measured from the model's weights as a run measures them (run/federated.py `model_shares`)."""
