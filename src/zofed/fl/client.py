@@ -97,7 +97,7 @@ class RoundFeatures:
         rows = torch.as_tensor(batch_rows(local, client_id, np.arange(len(self.labels)), step),
                                device=self.labels.device)
         features, labels = self.features[rows], self.labels[rows]
-        return lambda: ctx.task.feature_loss(ctx.model, cache, features, labels, shift)
+        return ctx.task.feature_loss_fn(ctx.model, cache, features, labels, shift)
 
 
 def round_features(ctx: ClientContext, local: LocalTraining, client_id: int, indices: np.ndarray,

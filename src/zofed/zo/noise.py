@@ -158,6 +158,15 @@ class NoiseSource:
         self._cache[key] = w
         return w
 
+    def prefetch(self, seeds: Sequence[int], tensor_index: int, numel: int) -> None:
+        """Hash one tensor's Rademacher words for all `seeds` into the word cache, one `words_of_seeds` call per
+        chunk: a step that reads each of its queries' noise twice then hashes it once, in one pass per tensor."""
+        if self._cache is None or self.kind != "rademacher":
+            raise ValueError("prefetch fills the word cache of a Rademacher source made with cache_words=True")
+        for _, start, end in chunk_bounds(numel):
+            rows = words_of_seeds(seeds, tensor_index, start // 32, (end - start + 31) // 32, self.device)
+            self._cache.update({(seed, tensor_index, start // 32): row for seed, row in zip(seeds, rows, strict=True)})
+
     def chunk(self, seed: int, tensor_index: int, start: int, size: int, scale: float = 1.0) -> torch.Tensor:
         """`scale * z` for elements `start` .. `start + size - 1` of one tensor, as a float32 view that is valid
         until the next call. `start` must be a multiple of 64 (chunk_bounds gives such chunks)."""
