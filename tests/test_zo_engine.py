@@ -235,16 +235,16 @@ def test_a_small_step_from_a_clean_copy_hashes_all_its_words_in_one_pass_and_mov
 
     calls = {"words": 0, "words_of_seeds": 0}
 
-    def counting(name: str):
-        original = getattr(noise, name)
+    def counting(fn: str):
+        original = getattr(noise, fn)
 
         def counted(*args, **kwargs):
-            calls[name] += 1
+            calls[fn] += 1
             return original(*args, **kwargs)
         return counted
 
-    for name in list(calls):
-        monkeypatch.setattr(noise, name, counting(name))
+    for fn in list(calls):
+        monkeypatch.setattr(noise, fn, counting(fn))
 
     def run(cache_limit: int) -> list[torch.Tensor]:
         monkeypatch.setattr(step_module, "WORD_CACHE_VALUES", cache_limit)
