@@ -177,11 +177,11 @@ def test_noise_made_chunk_by_chunk_in_reused_scratch_equals_one_unchunked_evalua
             assert torch.equal(out[3], reference)
 
 
-def test_prefetched_words_give_each_seeds_own_chunks_bit_for_bit(monkeypatch):
-    """A step's words hashed for all its seeds at once, chunk by chunk, must be the words each chunk would hash."""
+def test_prefetched_noise_gives_each_seeds_own_chunks_bit_for_bit(monkeypatch):
+    """A step's noise made for all its seeds at once, chunk by chunk, must be the noise each chunk would make."""
     monkeypatch.setattr(noise, "CHUNK", 256)
     n, seeds = 256 * 3 + 70, [5, 2**62 + 3, 11]
-    cached = NoiseSource("rademacher", cache_words=True)
+    cached = NoiseSource("rademacher")
     cached.prefetch(seeds, 2, n)
     monkeypatch.setattr(noise, "words", None)  # a chunk that hashed again would fail here
     for seed in seeds:
@@ -190,8 +190,9 @@ def test_prefetched_words_give_each_seeds_own_chunks_bit_for_bit(monkeypatch):
             add_directions_([torch.zeros(1), torch.zeros(1), out], [(seed, scale)], Perturbation(scales=[0, 0, 1]),
                             cached)
             assert torch.equal(out, scale * _rademacher_reference(seed, 2, n))
-    with pytest.raises(ValueError, match="cache_words"):
-        NoiseSource("rademacher").prefetch(seeds, 2, n)
+    cached.clear()
+    with pytest.raises(TypeError):  # cleared: the next chunk hashes its words again
+        cached.chunk(seeds[0], 2, 0, 256)
     with pytest.raises(ValueError, match="Rademacher"):
         NoiseSource("gaussian", cache_words=True).prefetch(seeds, 2, n)
 

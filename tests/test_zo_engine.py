@@ -227,7 +227,7 @@ def test_steps_from_a_clean_copy_are_bit_identical_to_their_replay(name, queries
 
 @pytest.mark.parametrize("estimator", ["central", "forward"])
 @pytest.mark.parametrize("name", ["mezo", "zo-adamu"])
-def test_a_small_step_from_a_clean_copy_hashes_all_its_words_in_one_pass_and_moves_the_same_bits(
+def test_a_small_step_from_a_clean_copy_makes_all_its_noise_in_one_pass_and_moves_the_same_bits(
         monkeypatch, estimator, name):
     """Small trainable tensors: one `words_of_seeds` pass per tensor serves both the perturbations and the update,
     and the step moves the weights bit for bit as one that hashes every query's noise each time it reads it."""
@@ -247,7 +247,7 @@ def test_a_small_step_from_a_clean_copy_hashes_all_its_words_in_one_pass_and_mov
         monkeypatch.setattr(noise, fn, counting(fn))
 
     def run(cache_limit: int) -> list[torch.Tensor]:
-        monkeypatch.setattr(step_module, "WORD_CACHE_VALUES", cache_limit)
+        monkeypatch.setattr(step_module, "KEPT_NOISE_VALUES", cache_limit)
         gen = torch.Generator().manual_seed(0)
         x, target = [torch.randn(300, generator=gen), torch.randn(40, generator=gen)], torch.randn(300, generator=gen)
         clean, opt = [t.clone() for t in x], make_optimizer(name)
@@ -258,7 +258,7 @@ def test_a_small_step_from_a_clean_copy_hashes_all_its_words_in_one_pass_and_mov
                                eps=1e-2, lr=1e-3, queries=4, perturbation=pert, clean=clean, estimator=estimator)
         return clean
 
-    cached = run(step_module.WORD_CACHE_VALUES)
+    cached = run(step_module.KEPT_NOISE_VALUES)
     assert calls == {"words": 0, "words_of_seeds": 2 + 1 + 2}
     regenerated = run(0)
     assert calls["words"] > 0 and calls["words_of_seeds"] == 5

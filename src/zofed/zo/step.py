@@ -171,16 +171,16 @@ def _forward_step(tensors, clean, loss_fn, optimizer, state, pert, seed, eps, lr
     return state, record
 
 
-WORD_CACHE_VALUES = 1 << 24  # trainable values x queries up to which a step keeps all its queries' words (2 MiB)
+KEPT_NOISE_VALUES = 1 << 22  # trainable values x queries up to which a step keeps all its noise (16 MiB)
 
 
 def _clean_source(pert: Perturbation, clean: Sequence[torch.Tensor], seeds: Sequence[int]) -> NoiseSource:
     """The noise source of a step from a clean copy, which reads each query's noise twice (to perturb, then to
-    update). Beside the copy, a word cache is cheap: small steps hash all their queries' words up front, one pass
-    per tensor, and keep them; larger ones keep a single query's words (1/32 of the copy), or none."""
+    update). Small steps make all their queries' noise up front, one pass per tensor, and keep it; larger ones
+    keep a single query's words (1/32 of the copy, cheap beside it), or none."""
     moving = [i for i, t in enumerate(clean) if pert.moves(i)]
-    small = pert.kind == "rademacher" and len(seeds) * sum(clean[i].numel() for i in moving) <= WORD_CACHE_VALUES
-    source = NoiseSource(pert.kind, cache_words=small or len(seeds) == 1, device=clean[0].device)
+    small = pert.kind == "rademacher" and len(seeds) * sum(clean[i].numel() for i in moving) <= KEPT_NOISE_VALUES
+    source = NoiseSource(pert.kind, cache_words=len(seeds) == 1 and not small, device=clean[0].device)
     if small:
         for i in moving:
             source.prefetch(seeds, i, clean[i].numel())
