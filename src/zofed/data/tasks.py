@@ -133,8 +133,8 @@ def label_shift(labels: np.ndarray, num_classes: int, strength: float) -> torch.
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes, so that equal means bit-identical (not -0.0 == 0.0)."""
-    return t.reshape(-1).view(torch.uint8)
+    """A contiguous tensor's bytes as a view, so that equal means bit-identical (not -0.0 == 0.0)."""
+    return t.view(-1).view(torch.uint8)
 
 
 def shifted(logits: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:
@@ -405,12 +405,12 @@ class PromptClassification(Task):
         module lookups are done once, and the normed features are kept while the norm's values stay bit for bit
         the same (they move only when the norm is trainable)."""
         head, norm = self._head(model, features.device), cache.backbone.norm
-        params = [p.detach() for p in norm.parameters()]
-        kept: list = []  # [the norm's values, norm(features)]
+        params = [_bits(p.detach()) for p in norm.parameters()]  # views: they see the weights move in place
+        kept: list = []  # [the norm's bytes, norm(features)]
 
         @torch.no_grad()
         def loss() -> float:
-            if not kept or not all(torch.equal(_bits(p), _bits(q)) for p, q in zip(params, kept[0], strict=True)):
+            if not kept or not all(torch.equal(p, q) for p, q in zip(params, kept[0], strict=True)):
                 kept[:] = [[p.clone() for p in params], norm(features)]
             return float(F.cross_entropy(shifted(head(kept[1]), shift), labels))
 
