@@ -54,6 +54,30 @@ def test_the_loss_on_cached_features_is_the_full_forward_loss():
         ctx.task.last_features(PrefixCache(model, 1), ctx.train, rows, batch_size=8)
 
 
+def test_a_step_s_feature_loss_reads_the_weights_of_each_call_a_trainable_final_norm_included():
+    """A step's loss function keeps its normed features between queries only while the norm stays bit for bit
+    the same: moving the head or the norm in place (as the ZO engine does) must show in the next reading."""
+    ctx = toy_context()
+    ctx.task.attach_label_head(ctx.model)
+    model, trainable = select_trainable(ctx.model, TrainableConfig(mode="patterns", patterns=[r"^model\.norm\."],
+                                                                   label_head=True))
+    cache = PrefixCache(model, first_trainable_layer(model, trainable.names))
+    rows = np.arange(3, 11)
+    features = ctx.task.last_features(cache, ctx.train, rows, batch_size=8)
+    labels, shift = torch.as_tensor(ctx.train.labels[rows]), torch.tensor([0.2, -0.3])
+    loss = ctx.task.feature_loss_fn(model, cache, features, labels, shift)
+    first = loss()
+    assert loss() == first == ctx.task.feature_loss(model, cache, features, labels, shift)
+    by_name = dict(zip(trainable.names, trainable.tensors(), strict=True))
+    norm, head = by_name["model.norm.weight"], by_name["label_head"]
+    for tensor, change in ((norm, lambda t: t.mul_(1.5).add_(0.1)), (head, lambda t: t.mul_(-1))):
+        with torch.no_grad():
+            change(tensor)
+        now = ctx.task.feature_loss(model, cache, features, labels, shift)  # a fresh evaluation
+        assert loss() == now and abs(now - first) > 1e-4
+        first = now
+
+
 def test_a_run_on_cached_features_charges_them_once_a_round_learns_and_replays(tiny_workspace, tmp_path):
     out = tmp_path / "run"
     config = tiny_federated_config(tiny_workspace, out, *HEAD, "federation.method=zofed", "zo.queries=8",

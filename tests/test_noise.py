@@ -177,6 +177,26 @@ def test_noise_made_chunk_by_chunk_in_reused_scratch_equals_one_unchunked_evalua
             assert torch.equal(out[3], reference)
 
 
+def test_prefetched_noise_gives_each_seeds_own_chunks_bit_for_bit(monkeypatch):
+    """A step's noise made for all its seeds at once, chunk by chunk, must be the noise each chunk would make."""
+    monkeypatch.setattr(noise, "CHUNK", 256)
+    n, seeds = 256 * 3 + 70, [5, 2**62 + 3, 11]
+    cached = NoiseSource("rademacher")
+    cached.prefetch(seeds, 2, n)
+    monkeypatch.setattr(noise, "words", None)  # a chunk that hashed again would fail here
+    for seed in seeds:
+        for scale in (1.0, -2.5e-3):
+            out = torch.zeros(n)
+            add_directions_([torch.zeros(1), torch.zeros(1), out], [(seed, scale)], Perturbation(scales=[0, 0, 1]),
+                            cached)
+            assert torch.equal(out, scale * _rademacher_reference(seed, 2, n))
+    cached.clear()
+    with pytest.raises(TypeError):  # cleared: the next chunk hashes its words again
+        cached.chunk(seeds[0], 2, 0, 256)
+    with pytest.raises(ValueError, match="Rademacher"):
+        NoiseSource("gaussian", cache_words=True).prefetch(seeds, 2, n)
+
+
 def test_counters_wrap_like_uint32_across_the_signed_boundary():
     for start in (2**31 - 5, 2**32 - 3, 2**31, 0, 3 * 2**32 + 7):
         got = _counters(start, 10, "cpu").to(torch.int64) & 0xFFFFFFFF

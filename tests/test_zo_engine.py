@@ -225,6 +225,46 @@ def test_steps_from_a_clean_copy_are_bit_identical_to_their_replay(name, queries
     assert all(torch.equal(t, s) for t, s in zip(tensors, start, strict=True))
 
 
+@pytest.mark.parametrize("estimator", ["central", "forward"])
+@pytest.mark.parametrize("name", ["mezo", "zo-adamu"])
+def test_a_small_step_from_a_clean_copy_makes_all_its_noise_in_one_pass_and_moves_the_same_bits(
+        monkeypatch, estimator, name):
+    """Small trainable tensors: one `words_of_seeds` pass per tensor serves both the perturbations and the update,
+    and the step moves the weights bit for bit as one that hashes every query's noise each time it reads it."""
+    from zofed.zo import step as step_module
+
+    calls = {"words": 0, "words_of_seeds": 0}
+
+    def counting(fn: str):
+        original = getattr(noise, fn)
+
+        def counted(*args, **kwargs):
+            calls[fn] += 1
+            return original(*args, **kwargs)
+        return counted
+
+    for fn in list(calls):
+        monkeypatch.setattr(noise, fn, counting(fn))
+
+    def run(cache_limit: int) -> list[torch.Tensor]:
+        monkeypatch.setattr(step_module, "KEPT_NOISE_VALUES", cache_limit)
+        gen = torch.Generator().manual_seed(0)
+        x, target = [torch.randn(300, generator=gen), torch.randn(40, generator=gen)], torch.randn(300, generator=gen)
+        clean, opt = [t.clone() for t in x], make_optimizer(name)
+        state = opt.init(clean)
+        for t in range(3):
+            pert = Perturbation(scales=[1.0, 0.0 if t == 1 else 2.0])  # tensor 1 stands still at step 1
+            state, _ = zo_step(x, lambda: float(((x[0] - target) ** 2).sum() + x[1].sum()), opt, state, seed=t,
+                               eps=1e-2, lr=1e-3, queries=4, perturbation=pert, clean=clean, estimator=estimator)
+        return clean
+
+    cached = run(step_module.KEPT_NOISE_VALUES)
+    assert calls == {"words": 0, "words_of_seeds": 2 + 1 + 2}
+    regenerated = run(0)
+    assert calls["words"] > 0 and calls["words_of_seeds"] == 5
+    assert all(torch.equal(a, b) for a, b in zip(cached, regenerated, strict=True))
+
+
 @pytest.mark.parametrize("exact", [False, True])
 def test_the_forward_estimator_shares_one_centre_pass_and_restores_the_weights(exact):
     """q one-sided queries around one centre: q + 1 loss evaluations instead of 2 q, each scalar is

@@ -132,6 +132,11 @@ def label_shift(labels: np.ndarray, num_classes: int, strength: float) -> torch.
     return torch.from_numpy(strength * np.log((counts + 1.0) / (counts.sum() + num_classes))).float()
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a view, so that equal means bit-identical (not -0.0 == 0.0)."""
+    return t.view(-1).view(torch.uint8)
+
+
 def shifted(logits: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:
     return logits if shift is None else logits + shift.to(logits)
 
@@ -353,8 +358,7 @@ class PromptClassification(Task):
                     shift: torch.Tensor | None = None) -> Callable[[], float]:
         """The batch's loss as a function of the trainable top blocks only: the frozen bottom runs once, here."""
         if self._body_in_training:  # every block frozen: the body's output is remembered, not rerun
-            features = self._batch_features(batch)
-            return lambda: self.feature_loss(model, cache, features, batch.labels, shift)
+            return self.feature_loss_fn(model, cache, self._batch_features(batch), batch.labels, shift)
         prefix = cache.capture(batch.input_ids, batch.attention_mask)
 
         @torch.no_grad()
@@ -390,11 +394,27 @@ class PromptClassification(Task):
         hidden = prefix.args[0] if prefix.args else prefix.kwargs["hidden_states"]
         return last_position(hidden, batch)
 
-    @torch.no_grad()
     def feature_loss(self, model: torch.nn.Module, cache: PrefixCache, features: torch.Tensor, labels: torch.Tensor,
                      shift: torch.Tensor | None = None) -> float:
         """The mean loss of examples given by their `last_features`: the final norm and the head, nothing more."""
-        return float(F.cross_entropy(shifted(self.feature_logits(model, cache, features), shift), labels))
+        return self.feature_loss_fn(model, cache, features, labels, shift)()
+
+    def feature_loss_fn(self, model: torch.nn.Module, cache: PrefixCache, features: torch.Tensor,
+                        labels: torch.Tensor, shift: torch.Tensor | None = None) -> Callable[[], float]:
+        """`feature_loss` as a function of the current weights, for a ZO step that reads it once per query: the
+        module lookups are done once, and the normed features are kept while the norm's values stay bit for bit
+        the same (they move only when the norm is trainable)."""
+        head, norm = self._head(model, features.device), cache.backbone.norm
+        params = [_bits(p.detach()) for p in norm.parameters()]  # views: they see the weights move in place
+        kept: list = []  # [the norm's bytes, norm(features)]
+
+        @torch.no_grad()
+        def loss() -> float:
+            if not kept or not all(torch.equal(p, q) for p, q in zip(params, kept[0], strict=True)):
+                kept[:] = [[p.clone() for p in params], norm(features)]
+            return float(F.cross_entropy(shifted(head(kept[1]), shift), labels))
+
+        return loss
 
     def feature_logits(self, model: torch.nn.Module, cache: PrefixCache, features: torch.Tensor) -> torch.Tensor:
         """Label-word logits of examples given by their `last_features`."""
@@ -406,14 +426,21 @@ class PromptClassification(Task):
 
     def head_logits(self, model: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
         """Label-word logits of last-position hidden states (rows x hidden, after the final norm)."""
+        return self._head(model, h.device)(h)
+
+    def _head(self, model: torch.nn.Module, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`head_logits` with the head's modules looked up once; its weights are read at each call."""
         lm = unwrap(model)
         head = lm.get_output_embeddings()
-        rows = label_head_rows(lm)
-        ids = self.label_token_ids.to(h.device)
-        out = h @ (rows if rows is not None else head.weight[ids]).to(h.dtype).T  # a narrowed head widens here
-        if getattr(head, "bias", None) is not None:
-            out = out + head.bias[ids]
-        return out
+        ids = self.label_token_ids.to(device)
+        bias = getattr(head, "bias", None)
+
+        def logits(h: torch.Tensor) -> torch.Tensor:
+            rows = label_head_rows(lm)
+            out = h @ (rows if rows is not None else head.weight[ids]).to(h.dtype).T  # a narrowed head widens here
+            return out if bias is None else out + bias[ids]
+
+        return logits
 
 
 class EncoderClassification(Task):

@@ -103,7 +103,7 @@ class RoundFeatures:
                   shift: torch.Tensor | None):
         """The loss of local step `step`'s batch, as a function of the trainable head (a ZO step's loss)."""
         features, labels = self.batch(local, client_id, step)
-        return lambda: ctx.task.feature_loss(ctx.model, cache, features, labels, shift)
+        return ctx.task.feature_loss_fn(ctx.model, cache, features, labels, shift)
 
     def loss_tensor(self, ctx: ClientContext, local: LocalTraining, client_id: int, step: int, cache: PrefixCache,
                     shift: torch.Tensor | None) -> torch.Tensor:

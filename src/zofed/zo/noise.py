@@ -122,12 +122,19 @@ def words_of_seeds(seeds: Sequence[int], tensor_index: int, start: int, count: i
     return _mix_(x.bitwise_xor_(keys[:, 1:]))
 
 
+def _sign_bits(w: torch.Tensor, shifts: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The 32 bits of each word, most significant first, as the sign bits of int32 values (their other bits 0):
+    words of shape (..., n) give (..., n, 32), into `out` when given. `shifts` is arange(32) on the words' device."""
+    return torch.bitwise_left_shift(w.unsqueeze(-1), shifts, out=out).bitwise_and_(_SIGN_BIT)
+
+
 class NoiseSource:
     """Writes seeded noise chunks into a reusable buffer on one device; one per thread of work.
 
     Its scratch is fixed (a chunk's floats, words and the hash's shifted copies), whatever the tensors' sizes.
     With `cache_words=True` the random words behind Rademacher chunks are kept (1 bit per element, 1/32 of the
-    parameters' memory) so the several passes of one ZO step hash them only once; `clear()` drops them.
+    parameters' memory) so the several passes of one ZO step hash them only once; `prefetch` keeps the signs of
+    small tensors ready-made (4 bytes per element and seed); `clear()` drops both.
     """
 
     def __init__(self, kind: NoiseKind, cache_words: bool = False, device: torch.device | str = "cpu") -> None:
@@ -141,8 +148,10 @@ class NoiseSource:
         self._words = torch.empty(CHUNK // 32, dtype=torch.int32, device=self.device)
         self._scratch = torch.empty(CHUNK // 32, dtype=torch.int32, device=self.device)
         self._cache: dict[tuple[int, int, int], torch.Tensor] | None = {} if cache_words else None
+        self._signs: dict[tuple[int, int, int], torch.Tensor] = {}  # (seed, tensor, start) -> the chunk's sign bits
 
     def clear(self) -> None:
+        self._signs.clear()
         if self._cache is not None:
             self._cache.clear()
 
@@ -158,6 +167,17 @@ class NoiseSource:
         self._cache[key] = w
         return w
 
+    def prefetch(self, seeds: Sequence[int], tensor_index: int, numel: int) -> None:
+        """Make one tensor's Rademacher signs for all `seeds` now, one pass over all seeds per chunk, and keep them
+        for `chunk`: a step that reads each of its queries' noise twice then makes it once, for all queries at once."""
+        if self.kind != "rademacher":
+            raise ValueError("only Rademacher noise can be prefetched (Gaussian noise is made seed by seed)")
+        for _, start, end in chunk_bounds(numel):
+            grid = _sign_bits(words_of_seeds(seeds, tensor_index, start // 32, (end - start + 31) // 32, self.device),
+                              self._shifts)
+            rows = grid.view(len(seeds), -1)[:, : end - start]
+            self._signs.update({(seed, tensor_index, start): row for seed, row in zip(seeds, rows, strict=True)})
+
     def chunk(self, seed: int, tensor_index: int, start: int, size: int, scale: float = 1.0) -> torch.Tensor:
         """`scale * z` for elements `start` .. `start + size - 1` of one tensor, as a float32 view that is valid
         until the next call. `start` must be a multiple of 64 (chunk_bounds gives such chunks)."""
@@ -169,12 +189,12 @@ class NoiseSource:
             raise ValueError(f"a Rademacher chunk holds at most {CHUNK} elements (its reused buffer), not {size}")
         # Bit k of a word becomes the sign bit of a float whose magnitude bits are |scale|: one word yields 32
         # entries of +-scale with integer operations only.
-        count = (size + 31) // 32
-        w = self._rademacher_words(seed, tensor_index, start // 32, count)
-        bits = self._bits[: count * 32].view(count, 32)
-        torch.bitwise_left_shift(w.unsqueeze(1), self._shifts, out=bits)
-        bits.bitwise_and_(_SIGN_BIT).bitwise_or_(_float_bits(abs(scale)))
-        out = self._bits[:size].view(torch.float32)
+        signs = self._signs.get((seed, tensor_index, start))
+        if signs is None:
+            count = (size + 31) // 32
+            w = self._rademacher_words(seed, tensor_index, start // 32, count)
+            signs = _sign_bits(w, self._shifts, out=self._bits[: count * 32].view(count, 32)).view(-1)[:size]
+        out = torch.bitwise_or(signs, _float_bits(abs(scale)), out=self._bits[:size]).view(torch.float32)
         return out.neg_() if scale < 0 else out
 
     def rows(self, seeds: Sequence[int], tensor_index: int, start: int, size: int,
@@ -189,8 +209,7 @@ class NoiseSource:
             return torch.stack([gaussian(s, tensor_index, start, size, self.device).mul_(c)
                                 for s, c in zip(seeds, scales, strict=True)])
         count = (size + 31) // 32
-        w = words_of_seeds(seeds, tensor_index, start // 32, count, self.device)
-        bits = torch.bitwise_left_shift(w.unsqueeze(2), self._shifts).bitwise_and_(_SIGN_BIT)
+        bits = _sign_bits(words_of_seeds(seeds, tensor_index, start // 32, count, self.device), self._shifts)
         # a float32 scale's bits are its sign and magnitude: xor onto a noise sign gives +-scale, as chunk does
         scale_bits = torch.tensor(scales, dtype=torch.float64).to(torch.float32).view(torch.int32)
         bits.bitwise_xor_(scale_bits.to(self.device)[:, None, None])

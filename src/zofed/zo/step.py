@@ -121,7 +121,7 @@ def zo_step(tensors: Sequence[torch.Tensor], loss_fn: Callable[[], float], optim
 def _exact_step(tensors, clean, loss_fn, optimizer, state, pert, seed, eps, lr, queries, bits):
     grads, losses = [], []
     seeds = [query_seed(seed, j) for j in range(queries)]
-    source = NoiseSource(pert.kind, cache_words=queries == 1, device=clean[0].device)
+    source = _clean_source(pert, clean, seeds)
     for j, s in enumerate(seeds):
         write_directions_(tensors, clean, [(s, eps)], pert, source)
         loss_plus = float(loss_fn())
@@ -145,8 +145,8 @@ def _forward_step(tensors, clean, loss_fn, optimizer, state, pert, seed, eps, lr
         raise NonFiniteLossError(f"non-finite loss at the centre point: {centre}")
     grads = []
     seeds = [query_seed(seed, j) for j in range(queries)]
-    # in place, no word cache (as in zo_step); beside the clean copy, 1/32 of it is worth the time it saves
-    source = NoiseSource(pert.kind, cache_words=queries == 1 and clean is not None, device=tensors[0].device)
+    # in place, no word cache (as in zo_step)
+    source = NoiseSource(pert.kind, device=tensors[0].device) if clean is None else _clean_source(pert, clean, seeds)
     for j, s in enumerate(seeds):
         if clean is not None:
             write_directions_(tensors, clean, [(s, eps)], pert, source)
@@ -169,6 +169,22 @@ def _forward_step(tensors, clean, loss_fn, optimizer, state, pert, seed, eps, lr
     else:
         state = optimizer.apply(tensors, state, record.grad_terms(), [(seeds[-1], -eps)], lr, pert, source)
     return state, record
+
+
+KEPT_NOISE_VALUES = 1 << 22  # trainable values x queries up to which a step keeps all its noise (16 MiB)
+
+
+def _clean_source(pert: Perturbation, clean: Sequence[torch.Tensor], seeds: Sequence[int]) -> NoiseSource:
+    """The noise source of a step from a clean copy, which reads each query's noise twice (to perturb, then to
+    update). Small steps make all their queries' noise up front, one pass per tensor, and keep it; larger ones
+    keep a single query's words (1/32 of the copy, cheap beside it), or none."""
+    moving = [i for i, t in enumerate(clean) if pert.moves(i)]
+    small = pert.kind == "rademacher" and len(seeds) * sum(clean[i].numel() for i in moving) <= KEPT_NOISE_VALUES
+    source = NoiseSource(pert.kind, cache_words=len(seeds) == 1 and not small, device=clean[0].device)
+    if small:
+        for i in moving:
+            source.prefetch(seeds, i, clean[i].numel())
+    return source
 
 
 def _copy_(out: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
