@@ -178,8 +178,10 @@ def row_overrides(p: Protocol, table: str, row: str, dataset: str | None = None)
 
 def row_digest(p: Protocol, table: str, row: str) -> str:
     """A short hash of what defines a row (its overrides without the dataset): a stored row whose digest differs
-    was run under another protocol."""
-    text = json.dumps([row_overrides(p, table, row), p.federation.budget, p.tables[table].pass_fraction])
+    was run under another protocol. The simulator's remembered features are left out: they change no result, and
+    how a run asks for them is an engine detail that may change."""
+    defining = [o for o in row_overrides(p, table, row) if o not in REMEMBER_FEATURES]
+    text = json.dumps([defining, p.federation.budget, p.tables[table].pass_fraction])
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
