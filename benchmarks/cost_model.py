@@ -118,7 +118,7 @@ def head_rows(row: Row, batch_size: int, seq_len: int) -> dict[str, float]:
 
     whole = PrefixCache(model, first_trainable_layer(model, params.names))  # the batch's last hidden states
     encoded = Encoded([list(r) for r in batch.input_ids.tolist()], batch.labels.numpy())
-    features = task.last_features(whole, encoded, np.arange(batch_size), batch_size)
+    features = task.last_features(whole, encoded, np.arange(batch_size))
     labels = batch.labels
     tensors, clean = params.tensors(), [t.clone() for t in params.tensors()]
     optimizer = make_optimizer("mezo")

@@ -3,8 +3,8 @@ position never changes during a run, so the model's body runs once per example a
 reads the label head off the remembered row.
 
 Rows are keyed by the example's token ids (so a template, truncation or dataset change is a new key) and belong
-to one model: the fingerprint hashes the frozen weights. A store directory keeps them across runs of the same model
-(`train.features_dir`), one file per fingerprint, merged under a lock so that runs side by side add to it.
+to one model: the fingerprint hashes the frozen weights. A store directory (ZOFED_FEATURE_STORE) keeps them across
+runs of the same model, one file per fingerprint, merged under a lock so that runs side by side add to it.
 
 This saves the simulator's time, not a client's: the compute a run reports is still what each client would run
 (`forward_equivalents`), whatever the simulator remembered.

@@ -200,7 +200,7 @@ class Task:
 
     def cached_loss(self, model: torch.nn.Module, cache: PrefixCache, batch: Batch,
                     shift: torch.Tensor | None = None) -> Callable[[], float]:
-        raise ValueError(f"zo.prefix_cache works with prompt-classification and causal-lm tasks, not "
+        raise ValueError(f"zo.cache: prefix works with prompt-classification and causal-lm tasks, not "
                          f"{self.config.type}")
 
     def loss_tensor(self, model: torch.nn.Module, batch: Batch, shift: torch.Tensor | None = None) -> torch.Tensor:
@@ -293,26 +293,31 @@ class PromptClassification(Task):
     def remember_body(self, memo: BodyFeatures | None, *, in_training: bool = False) -> None:
         """Evaluate from `memo`'s remembered body features (every block frozen): each example runs through the model
         once per run, and afterwards only the final norm and the head read its remembered row. `in_training` reads
-        every training loss off it too (train.remember_features). None: full forward passes."""
+        every training loss off it too (zo.cache: features). None: full forward passes."""
         self._body = memo
         self._body_in_training = memo is not None and in_training
 
     def remembered_features(self, data: Encoded, order: np.ndarray) -> torch.Tensor:
         """The body features of `data`'s examples `order`, running only those not seen before (each alone)."""
-        return self._body.lookup([data.input_ids[i] for i in np.asarray(order)], self._features_alone)
+        return self._body.lookup([data.input_ids[i] for i in np.asarray(order)], self._remembered_alone)
 
     def _batch_features(self, batch: Batch) -> torch.Tensor:
         """The body features of a batch's rows, running only the rows not seen before."""
         lengths = batch.attention_mask.sum(1).tolist()
         ids = [row[:n] for row, n in zip(batch.input_ids.tolist(), lengths, strict=True)]
-        return self._body.lookup(ids, self._features_alone)
+        return self._body.lookup(ids, self._remembered_alone)
 
-    def _features_alone(self, ids: Sequence[int]) -> torch.Tensor:
-        """One example's body features (hidden), run alone with no padding: the row a memo remembers must be a
-        function of the example only, not of the batch that first met it (BodyFeatures.lookup)."""
-        input_ids = torch.as_tensor([list(ids)], dtype=torch.long, device=self._body.device)
-        alone = Batch(input_ids, torch.ones_like(input_ids), torch.zeros(1, dtype=torch.long, device=input_ids.device))
-        return self._capture_last(self._body.cache, alone)[0]
+    def _remembered_alone(self, ids: Sequence[int]) -> torch.Tensor:
+        return self._features_alone(self._body.cache, ids)
+
+    def _features_alone(self, cache: PrefixCache, ids: Sequence[int]) -> torch.Tensor:
+        """One example's body features (hidden), run alone with no padding: the only way features are computed,
+        so a row is a function of the example alone, never of the batch that met it, and a remembered row
+        (BodyFeatures.lookup) equals a recomputed one bit for bit."""
+        device = next(cache.backbone.parameters()).device
+        input_ids = torch.as_tensor([list(ids)], dtype=torch.long, device=device)
+        alone = Batch(input_ids, torch.ones_like(input_ids), torch.zeros(1, dtype=torch.long, device=device))
+        return self._capture_last(cache, alone)[0]
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, data: Encoded, batch_size: int = 32,
@@ -328,7 +333,7 @@ class PromptClassification(Task):
                 "loss": float(F.cross_entropy(logits, labels, reduction="sum")) / order.size}
 
     def save_remembered(self) -> None:
-        """Write the remembered body features to their store, when the run keeps one (train.features_dir)."""
+        """Write the remembered body features to their store, when the run keeps one (ZOFED_FEATURE_STORE)."""
         if self._body is not None:
             self._body.save()
 
@@ -369,24 +374,17 @@ class PromptClassification(Task):
         return loss
 
     @torch.no_grad()
-    def last_features(self, cache: PrefixCache, data: Encoded, indices: np.ndarray, batch_size: int) -> torch.Tensor:
+    def last_features(self, cache: PrefixCache, data: Encoded, indices: np.ndarray) -> torch.Tensor:
         """What the final norm receives at each example's last position (examples x hidden), for a model whose
         blocks are all frozen (`cache` splits at the final norm): the only input the label logits read, so a client
-        computes it once and takes as many steps on it as it likes (federation.feature_cache)."""
+        computes it once and takes as many steps on it as it likes (zo.cache: features). Each example runs alone,
+        whether the simulator remembers it or not: the two give the same bits."""
         if cache.start != len(cache.layers):
             raise ValueError(f"cached features need every block frozen; the trainable tensors start at block "
                              f"{cache.start} of {len(cache.layers)}")
         if self._body_in_training:
             return self.remembered_features(data, indices)
-        return self._run_body(cache, data, indices, batch_size)
-
-    def _run_body(self, cache: PrefixCache, data: Encoded, indices: np.ndarray, batch_size: int) -> torch.Tensor:
-        """The features of `indices`, in that order, run in batches of similar lengths (less padding to run)."""
-        indices = np.asarray(indices)
-        order = np.argsort([len(data.input_ids[i]) for i in indices], kind="stable")
-        rows = torch.cat([self._capture_last(cache, self.collate(data, indices[order[start:start + batch_size]]))
-                          for start in range(0, len(indices), batch_size)])
-        return rows[torch.as_tensor(np.argsort(order), device=rows.device)]
+        return torch.stack([self._features_alone(cache, data.input_ids[i]) for i in np.asarray(indices)])
 
     @torch.no_grad()
     def _capture_last(self, cache: PrefixCache, batch: Batch) -> torch.Tensor:

@@ -86,7 +86,7 @@ def client_cache(ctx: ClientContext, local: LocalTraining) -> PrefixCache | None
 
 @dataclass
 class RoundFeatures:
-    """The examples a client ran through its frozen model this round (federation.feature_cache): their last
+    """The examples a client ran through its frozen model this round (zo.cache: features): their last
     hidden states and labels, which every local step draws its batch from."""
 
     features: torch.Tensor
@@ -118,11 +118,11 @@ def round_features(ctx: ClientContext, local: LocalTraining, client_id: int, ind
     """Run `local.feature_cache` of the client's examples (a draw of its own stream; all when it has fewer)
     through the frozen model once."""
     if cache is None or not hasattr(ctx.task, "last_features"):
-        raise ValueError("federation.feature_cache needs a prompt-classification task with every block frozen and "
+        raise ValueError("zo.cache: features needs a prompt-classification task with every block frozen and "
                          "the prefix cached")
     rng = streams.round_features(local.run_seed, local.round_id, client_id)
     chosen = np.sort(rng.choice(indices, size=min(local.feature_cache, len(indices)), replace=False))
-    features = ctx.task.last_features(cache, ctx.train, chosen, local.batch_size)
+    features = ctx.task.last_features(cache, ctx.train, chosen)
     return RoundFeatures(features, torch.as_tensor(ctx.train.labels[chosen], device=features.device))
 
 

@@ -61,7 +61,7 @@ class TrainableConfig(BaseModel):
     lora_alpha: int = Field(16, ge=1)
     lora_targets: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"])
     # the blocks LoRA adapts (negative: from the top, [-2, -1] the top two); None: every block. Adapters in the
-    # top blocks only let zo.prefix_cache run the frozen bottom once per batch
+    # top blocks only let zo.cache: prefix run the frozen bottom once per batch
     lora_layers: list[int] | None = None
     # seeds LoRA's and a new classifier head's random init (each its own stream): every party and rerun starts alike
     init_seed: int = Field(0, ge=0, lt=2**64)

@@ -83,13 +83,22 @@ class ZOSection(_Section):
     # shared centre pass, q + 1 passes (biased, cheaper for many queries). Unset: the method's own (zofed: forward
     # when a step averages several queries; every other method, and centralized runs: central).
     estimator: Literal["central", "forward"] | None = None
-    # Run the frozen blocks below the first trainable one once per batch, and only the blocks above for each
-    # perturbed pass (zo/prefix.py): a step then costs (1 - f) + 2 q f forward passes, f the share of blocks run.
-    prefix_cache: bool = False
+    # What is computed once and reused. prefix: the frozen blocks below the first trainable one run once per
+    # batch, and only the blocks above for each perturbed pass (zo/prefix.py): a step then costs (1 - f) + 2 q f
+    # forward passes, f the share of blocks run. features: every block frozen (the label head alone); a federated
+    # client runs federation.cached_examples of its examples through the model once a round and steps on their
+    # last hidden states. The in-process simulator then remembers each example's body features across rounds and
+    # clients by itself (ZOFED_FEATURE_STORE=DIR keeps them across runs); that saves its time and changes no result.
+    cache: Literal["none", "prefix", "features"] = "none"
     # features: each coordinate's noise scaled by 1 / RMS of the input feature it multiplies, measured once on
     # random tokens through the starting model (zo/feature_scale.py); none: the same scale for every coordinate
     precondition: Literal["none", "features"] = "none"
 
+    @model_validator(mode="before")
+    @classmethod
+    def _retired(cls, data: Any) -> Any:
+        return refuse_retired(data, {"prefix_cache": lambda v: "zo.prefix_cache was replaced by zo.cache: prefix "
+                                                               "(zo.cache: none | prefix | features)"})
 
     def resolved_estimator(self, method: str | None) -> str:
         """The estimator a run uses: the set one, else the federated method's default, else central."""
@@ -129,17 +138,24 @@ class TrainSection(_Section):
     eval_batch_size: int = Field(32, ge=1)
     checkpoint_every: int = Field(50, ge=1)
     seed: int = Field(0, ge=0, lt=2**64)  # keys every random stream of the run (zofed.streams)
-    # A simulation speedup for a model whose blocks are all frozen (the label head alone): each example runs
-    # through the body once per run and every loss reads the head off its remembered features. The compute a
-    # run reports is still what each client would run.
-    remember_features: bool = False
-    features_dir: str | None = None  # keep the remembered features across runs of the same model, one file each
 
-    @model_validator(mode="after")
-    def _store_needs_memory(self) -> TrainSection:
-        if self.features_dir is not None and not self.remember_features:
-            raise ValueError("train.features_dir stores remembered features; it needs train.remember_features=true")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _retired(cls, data: Any) -> Any:
+        gone = ("train.remember_features and train.features_dir are gone: with zo.cache: features the in-process "
+                "simulator remembers body features by itself; set ZOFED_FEATURE_STORE=DIR to keep them across runs")
+        return refuse_retired(data, {"remember_features": lambda v: gone, "features_dir": lambda v: gone})
+
+
+def refuse_retired(data: Any, retired: dict[str, Any]) -> Any:
+    """`data` (a section's raw mapping) unchanged, or an error naming the setting that replaced a retired key it
+    holds: `retired` maps each key to a function of its value that gives the message. A stored run config written
+    before the key was retired is refused the same way (`zofed` does not guess what it meant)."""
+    if isinstance(data, dict):
+        for key, message in retired.items():
+            if key in data:
+                raise ValueError(message(data[key]))
+    return data
 
 
 class FinetuneConfig(_Section):

@@ -241,8 +241,8 @@ def make_server(config: FederatedConfig, trainable: TrainableParams, num_clients
     needs the model and probe data: a replay leaves it out, as its log holds only the updates that passed).
     The fractions are the shares of a full pass a client's compute is counted with (`model_shares`)."""
     fed = config.federation
-    if fed.feature_cache and pass_fraction != 0:
-        raise ConfigError(f"federation.feature_cache needs every block of the model frozen (the label head alone: "
+    if config.zo.cache == "features" and pass_fraction != 0:
+        raise ConfigError(f"zo.cache: features needs every block of the model frozen (the label head alone: "
                           f"trainable.mode=none trainable.label_head=true); this run's trainable tensors make a "
                           f"perturbed pass run {pass_fraction:.3f} of the blocks")
     plan = federation_plan(config, num_clients, pass_fraction, backward_fraction=backward_fraction,

@@ -16,7 +16,7 @@ from zofed.fl.methods import get_method
 from zofed.fl.personal import BlockSampling
 from zofed.fl.plan import FederationPlan
 from zofed.fl.server_opt import SERVER_OPTIMIZERS, ServerOptimizer, make_server_optimizer
-from zofed.run.config import ConfigError, FinetuneConfig, _Section
+from zofed.run.config import ConfigError, FinetuneConfig, _Section, refuse_retired
 from zofed.run.recipes import Recipe, apply_recipe
 
 
@@ -97,11 +97,11 @@ class FederationSection(_Section):
     # the log of its own label frequencies to the logits, so its local steps fit its class prior into those
     # offsets rather than into the shared classifier. Classification tasks only; 0: off.
     logit_adjust: float = Field(0.0, ge=0)
-    # Cached features (prompt classification with every block frozen, e.g. the label head alone, and
-    # zo.prefix_cache): a client runs this many of its examples through the frozen model once a round (all of them
-    # when it has fewer, charged as this many) and takes its local steps on their last hidden states, so a step
-    # costs the head alone and a round can hold many. 0: off, every step runs its own batch through the model.
-    feature_cache: int = Field(0, ge=0)
+    # With zo.cache: features (prompt classification with every block frozen, e.g. the label head alone): a
+    # client runs this many of its examples through the frozen model once a round (all of them when it has fewer,
+    # charged as this many) and takes its local steps on their last hidden states, so a step costs the head alone
+    # and a round can hold many. None: train.batch_size (one pass a round).
+    cached_examples: int | None = Field(None, ge=1)
     # The precision of the clients' scalars on the wire: 16 sends each as float16 (2 bytes, about 3 significant
     # digits, saturating at 65504), so twice the steps fit the same uplink. Clients round each scalar before
     # their step uses it, so the server's replay stays exact.
@@ -149,6 +149,14 @@ class FederationSection(_Section):
     def _registered(cls, name: str) -> str:
         get_method(name)  # raises naming the registered methods
         return name
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retired(cls, data: Any) -> Any:
+        return refuse_retired(data, {"feature_cache": lambda n: (
+            f"federation.feature_cache={n} was replaced by zo.cache: features with federation.cached_examples={n}"
+            if n else "federation.feature_cache was replaced by zo.cache: features with federation.cached_examples=N "
+            "(0, off, is zo.cache: none or prefix)")})
 
     @field_validator("aggregator")
     @classmethod
@@ -304,17 +312,22 @@ class FederatedConfig(FinetuneConfig):
         return self
 
     @model_validator(mode="after")
-    def _feature_cache_needs_a_frozen_model(self) -> FederatedConfig:
+    def _cached_features_need_a_head(self) -> FederatedConfig:
         fed = self.federation
-        if not fed.feature_cache:
-            return self
-        if self.task.type != "prompt-classification":
-            raise ValueError(f"federation.feature_cache={fed.feature_cache} caches what a prompt classifier's head "
-                             f"reads; task.type {self.task.type} has no such head (set it to 0)")
-        if not self.zo.prefix_cache:
-            raise ValueError("federation.feature_cache needs zo.prefix_cache=true (the features are the cached "
-                             "prefix of a model whose blocks are all frozen)")
+        if fed.cached_examples is not None and self.zo.cache != "features":
+            raise ValueError(f"federation.cached_examples={fed.cached_examples} counts the examples a client runs "
+                             f"through its frozen model once a round with zo.cache: features; this run has zo.cache: "
+                             f"{self.zo.cache} (leave cached_examples unset, or set zo.cache: features)")
+        if self.zo.cache == "features" and self.task.type != "prompt-classification":
+            raise ValueError(f"zo.cache: features caches what a prompt classifier's head reads; task.type "
+                             f"{self.task.type} has no such head (use zo.cache: prefix)")
         return self
+
+    def feature_cache(self) -> int:
+        """The examples a client runs through its frozen model once a round (0: every step runs its own batch)."""
+        if self.zo.cache != "features":
+            return 0
+        return self.federation.cached_examples or self.train.batch_size
 
     @model_validator(mode="after")
     def _no_centralized_only(self) -> FederatedConfig:
@@ -356,10 +369,10 @@ def federation_plan(config: FederatedConfig, num_clients: int, pass_fraction: fl
         "noise": config.zo.noise, "pool_size": fed.pool_size,
         "sampling": BlockSampling(**sampling.model_dump(exclude={"personalize"})),
         "first_order_optimizer": fed.first_order_optimizer,
-        "pass_fraction": 1.0 if method.first_order and not fed.feature_cache else pass_fraction,
+        "pass_fraction": 1.0 if method.first_order and not config.feature_cache() else pass_fraction,
         "backward_fraction": backward_fraction, "head_fraction": head_fraction,
         "estimator": config.zo.resolved_estimator(fed.method),
         "optimizer": "mezo" if method.first_order else config.optimizer.name, "momentum": config.optimizer.momentum,
         "beta1": config.optimizer.beta1, "beta2": config.optimizer.beta2, "logit_adjust": fed.logit_adjust,
-        "feature_cache": fed.feature_cache, "scalar_bits": fed.scalar_bits}
+        "feature_cache": config.feature_cache(), "scalar_bits": fed.scalar_bits}
     return FederationPlan(**settings)

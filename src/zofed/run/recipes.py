@@ -32,11 +32,11 @@ Recipe = Literal["auto", "head", "none"]
 # 48 steps learned more on the tweets than 24, and the rounding changed none of their accuracies).
 HEAD: dict[str, Any] = {
     "trainable": {"mode": "none", "label_head": True},
-    "zo": {"queries": 8, "prefix_cache": True},
+    "zo": {"queries": 8, "cache": "features"},
     "optimizer": {"lr": 1e-3},
     "train": {"batch_size": 8},
-    "federation": {"rounds": 90, "local_steps": 48, "scalar_bits": 16, "feature_cache": 8, "logit_adjust": 1.0,
-                   "average_from": 0.5, "server_optimizer": {"name": "sgd", "lr": 1.0}},
+    "federation": {"rounds": 90, "local_steps": 48, "scalar_bits": 16, "cached_examples": 8,
+                   "logit_adjust": 1.0, "average_from": 0.5, "server_optimizer": {"name": "sgd", "lr": 1.0}},
 }
 RECIPES: dict[str, dict[str, Any]] = {"head": HEAD, "none": {}}
 

@@ -142,7 +142,7 @@ def head_common_mode(setup: Setup, indices: np.ndarray) -> Regressors | None:
     if not heads or cache is None or cache.start != len(cache.layers):
         return None
     with torch.no_grad():
-        features = cache.backbone.norm(setup.task.last_features(cache, setup.train, indices, len(indices))).float()
+        features = cache.backbone.norm(setup.task.last_features(cache, setup.train, indices)).float()
     mean = features.mean(0)
     unit = (mean / mean.norm()).cpu()
 

@@ -7,6 +7,7 @@ writes them.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,9 @@ from zofed.run.config import ConfigError, FinetuneConfig
 from zofed.zo.feature_scale import combine, feature_noise_scales
 from zofed.zo.prefix import PrefixCache, first_trainable_layer
 
+# the directory that keeps remembered body features across runs (zo.cache: features), one file per model
+FEATURE_STORE_VARIABLE = "ZOFED_FEATURE_STORE"
+
 
 @dataclass
 class Setup:
@@ -43,7 +47,7 @@ class Setup:
     test: Encoded
     label_names: list[str] | None
     train_data: TextDataset
-    cache: PrefixCache | None = None  # zo.prefix_cache: the frozen bottom runs once per batch
+    cache: PrefixCache | None = None  # zo.cache prefix or features: the frozen bottom runs once per batch
 
     @property
     def pass_fraction(self) -> float:
@@ -115,7 +119,7 @@ def build(config: FinetuneConfig) -> Setup:
     model, trainable, task = build_model(config, num_classes, device, train.label_names)
     cache = prefix_cache(config, model, trainable, task)
     if isinstance(task, PromptClassification):
-        task.remember_body(body_memo(config, model, trainable, cache), in_training=config.train.remember_features)
+        task.remember_body(body_memo(config, model, trainable, cache), in_training=config.zo.cache == "features")
     return Setup(config, model, trainable, task, task.encode(train), task.encode(test), train.label_names, train, cache)
 
 
@@ -154,32 +158,36 @@ def build_model(config: FinetuneConfig, num_classes: int | None, device: torch.d
 
 def prefix_cache(config: FinetuneConfig, model: torch.nn.Module, trainable: TrainableParams,
                  task: Task) -> PrefixCache | None:
-    """The split of the model at its first trainable block, when `zo.prefix_cache` asks for one."""
-    if not config.zo.prefix_cache:
+    """The split of the model at its first trainable block, when `zo.cache` asks for one (prefix or features)."""
+    if config.zo.cache == "none":
         return None
     if config.task.type not in ("prompt-classification", "causal-lm"):
-        raise ConfigError(f"zo.prefix_cache works with task.type prompt-classification or causal-lm, not "
-                          f"{config.task.type}")
+        raise ConfigError(f"zo.cache: {config.zo.cache} works with task.type prompt-classification or causal-lm, "
+                          f"not {config.task.type}")
     start = first_trainable_layer(model, trainable.names)
     if start is None:
-        raise ConfigError("zo.prefix_cache needs a decoder-only model (blocks in `layers`, a final `norm`) whose "
-                          "trainable tensors all lie in its blocks or above them, none in the embeddings")
+        raise ConfigError(f"zo.cache: {config.zo.cache} needs a decoder-only model (blocks in `layers`, a final "
+                          "`norm`) whose trainable tensors all lie in its blocks or above them, none in the embeddings")
     return PrefixCache(model, start, output_layer=task.full_vocabulary)
 
 
 def body_memo(config: FinetuneConfig, model: torch.nn.Module, trainable: TrainableParams,
               cache: PrefixCache | None) -> BodyFeatures | None:
-    """The frozen body's remembered features: for every loss with train.remember_features, else for evaluations
-    when the prefix cache splits at the final norm (every block frozen); None when the body may train."""
-    if cache is None and not config.train.remember_features:
+    """The frozen body's remembered features: for every loss with zo.cache: features (every block frozen), kept
+    across runs in the directory ZOFED_FEATURE_STORE names (one file per model) when it is set; else for
+    evaluations when the prefix cache splits at the final norm; None when the body may train.
+
+    Remembering saves the simulator's time and changes no result: a remembered row is computed exactly as a
+    recomputed one (each example alone, PromptClassification.last_features)."""
+    if cache is None:
         return None  # nothing to remember features for
     whole = frozen_body(model, trainable) if config.task.type == "prompt-classification" else None
-    if config.train.remember_features:
+    if config.zo.cache == "features":
         if whole is None:
-            raise ConfigError("train.remember_features needs a prompt-classification task on a decoder whose body is "
+            raise ConfigError("zo.cache: features needs a prompt-classification task on a decoder whose body is "
                               "frozen (only the label head or the final norm trains: trainable.mode=none with "
-                              "trainable.label_head=true)")
-        store = config.train.features_dir
+                              "trainable.label_head=true); with trainable blocks use zo.cache: prefix")
+        store = os.environ.get(FEATURE_STORE_VARIABLE) or None
         return BodyFeatures(whole, None if store is None else Path(store),
                             None if store is None else fingerprint(model, trainable.names))
     # evaluations only, under the same test of a frozen body (a trained tied output embedding is not frozen)

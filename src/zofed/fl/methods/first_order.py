@@ -5,7 +5,7 @@ uplink as large as the trainable tensors. The server side is shared with the ZO 
 updates is the pseudo-gradient of the server optimizer (sgd with lr 1 is FedAvg, adam is FedAdam).
 
 With every block frozen and the label head training, their clients step on cached features as the ZO clients do
-(federation.feature_cache; `federation.recipe=head federation.method=fedavg` runs the head recipe this way). Of the
+(zo.cache: features; `federation.recipe=head federation.method=fedavg` runs the head recipe this way). Of the
 recipe's settings they read the cached features, logit_adjust and the server's tail averaging; the ZO keys
 (zo.queries, optimizer.lr, scalar_bits) do not apply: the local lr is federation.first_order_lr and the dense
 uplink travels as float32.
