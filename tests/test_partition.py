@@ -35,7 +35,7 @@ def mean_entropy(data: TextDataset, cfg: PartitionConfig) -> float:
     return summarize(data, partition(data, cfg))["mean_entropy"]
 
 
-SCHEMES = ["iid", "dirichlet", "pathological", "quantity", "natural"]
+SCHEMES = ["iid", "dirichlet", "dirichlet-mix", "pathological", "quantity", "natural"]
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -111,6 +111,54 @@ def test_pathological_errors():
         partition(data, config("pathological", classes_per_client=5))
     with pytest.raises(PartitionError, match="cover only 2 of 4 classes"):
         partition(data, config("pathological", num_clients=2, classes_per_client=1))
+    # Consecutive classes: 2 clients of 2 cover classes {a, b} and {b, c}, never d.
+    with pytest.raises(PartitionError, match="2 clients holding 2 consecutive classes each cover only 3 of 4"):
+        partition(data, config("pathological", num_clients=2, classes_per_client=2))
+
+
+def test_pathological_class_holders_follow_the_seed():
+    """Client i holds consecutive classes of an order the partition stream draws, so the seed moves who holds what."""
+    data = make_data(n=400, num_labels=5)
+    labels = np.asarray(data.labels)
+    holders = {tuple(sorted(set(labels[partition(data, config("pathological", num_clients=5, seed=s))[0]])))
+               for s in range(6)}
+    assert len(holders) > 1
+
+
+def test_what_flwr_datasets_refuses_is_a_partition_error_naming_it():
+    labels = [0] * 40 + [1]  # class 1 has one example but two clients would hold it
+    data = TextDataset([{"text": str(i)} for i in range(41)], labels, ["a", "b"], "lopsided")
+    with pytest.raises(PartitionError, match="PathologicalPartitioner refused the partition: Label: 1"):
+        partition(data, config("pathological", num_clients=4, classes_per_client=1))
+
+
+def test_iid_and_dirichlet_are_flwr_datasets_partitions_seeded_by_the_partition_stream():
+    """The same partitions as flwr-datasets' own partitioners give for the same labels and seed: a table of index
+    and label shuffled by the partition stream (as FederatedDataset shuffles), then for Dirichlet the partitioner
+    seeded by the stream's next draw."""
+    import datasets
+    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner
+
+    from zofed import streams
+
+    data = make_data(n=600, num_labels=3)
+
+    def flwr_parts(make_partitioner, seed: int) -> list[np.ndarray]:
+        rng = streams.partition(seed)
+        table = datasets.Dataset.from_dict({"index": np.arange(600), "label": data.labels}).shuffle(generator=rng)
+        partitioner = make_partitioner(rng)
+        partitioner.dataset = table
+        return [np.sort(np.asarray(partitioner.load_partition(i)["index"])) for i in range(partitioner.num_partitions)]
+
+    for seed in (0, 5):
+        ours = partition(data, config("iid", num_clients=7, seed=seed))
+        theirs = flwr_parts(lambda rng: IidPartitioner(7), seed)
+        assert all(np.array_equal(a, b) for a, b in zip(ours, theirs, strict=True))
+        ours = partition(data, config("dirichlet", num_clients=8, alpha=0.5, seed=seed))
+        theirs = flwr_parts(lambda rng: DirichletPartitioner(8, "label", 0.5, min_partition_size=2,
+                                                             seed=int(rng.integers(2**32))), seed)
+        assert all(np.array_equal(a, b) for a, b in zip(ours, theirs, strict=True))
+        assert len({len(p) for p in ours}) > 1  # label skew: unequal sizes, unlike iid
 
 
 @pytest.mark.parametrize("scheme", ["dirichlet", "pathological"])

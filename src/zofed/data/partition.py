@@ -1,18 +1,27 @@
 """Split one data set among federated clients: IID, label skew, pathological, quantity skew, natural groups.
 
-Every scheme is deterministic: the only randomness is the partition's streams (``zofed.streams``), seeded from
-``partition.seed``, so the same config and data always give the same clients. A partition is a list of sorted
-index arrays into the data set, one per client, disjoint and covering every example; configurations that cannot give
-each client at least ``min_size`` examples raise :class:`PartitionError` saying what to change.
+"iid", "dirichlet", "pathological" and "natural" are flwr-datasets' partitioners, run on a table of each example's
+index and label (or column value) that the random schemes shuffle first, as Flower's FederatedDataset does.
+"dirichlet-mix" (a Dirichlet label mix per client) and "quantity" (Dirichlet client sizes) have no flwr-datasets
+counterpart and are written here, as are the redraw until every client has ``min_size`` examples, each client's
+local test split, the summary table and the plot.
+
+Deterministic: the only randomness is the partition's streams (``zofed.streams``, seeded from ``partition.seed``;
+the flwr-datasets partitioners take their seeds from them). A partition is a list of sorted index arrays into the
+data set, one per client, disjoint and covering every example; a config that cannot give each client ``min_size``
+examples raises :class:`PartitionError` saying what to change.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -20,6 +29,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from zofed import streams
 
 from .sources import TextDataset
+
+if TYPE_CHECKING:
+    import datasets
 
 Scheme = Literal["iid", "dirichlet", "dirichlet-mix", "pathological", "quantity", "natural"]
 MAX_DRAWS = 100  # Dirichlet redraws before giving up on min_size
@@ -79,34 +91,61 @@ class ClientSplit:
 
 def partition(data: TextDataset, config: PartitionConfig) -> list[np.ndarray]:
     """Index arrays into ``data``, one per client: sorted, disjoint, together covering every example."""
-    n = len(data)
+    # flwr-datasets and datasets are slow to import (seaborn, pandas) and needed only here.
+    from flwr_datasets import partitioner as flwr
+
+    n, k = len(data), config.num_clients
     if n == 0:
         raise PartitionError(f"{data.name}: no examples to partition")
     if config.scheme == "natural":
-        parts = _natural(data, config.column or "")
+        codes = _column_codes(data, config.column or "", "natural")  # client i holds the i-th distinct value
+        with contextlib.redirect_stderr(io.StringIO()):  # NaturalIdPartitioner draws a tqdm bar over the examples
+            parts = list(_read(flwr.NaturalIdPartitioner(partition_by="label"), _table(codes)))
     else:
-        needed = config.num_clients * config.min_size
-        if n < needed:
+        if n < k * config.min_size:
             # No redraw can help, so say so at once instead of after MAX_DRAWS attempts.
             raise PartitionError(
-                f"{data.name}: {n} examples cannot give {config.num_clients} clients at least "
+                f"{data.name}: {n} examples cannot give {k} clients at least "
                 f"min_size={config.min_size} each; lower num_clients or min_size"
             )
         rng = streams.partition(config.seed)
         if config.scheme == "iid":
-            parts = np.array_split(rng.permutation(n), config.num_clients)
+            parts = list(_read(flwr.IidPartitioner(k), _table(np.zeros(n, np.int64)).shuffle(generator=rng)))
         elif config.scheme == "dirichlet":
-            labels = _labels(data, "dirichlet", config.column)
-            parts = _redraw(lambda: _dirichlet_once(labels, config.num_clients, config.alpha, rng), data, config)
-        elif config.scheme == "dirichlet-mix":
-            parts = _dirichlet_mix(_labels(data, "dirichlet-mix", config.column), config.num_clients, config.alpha, rng)
+            table = _table(_labels(data, "dirichlet", config.column)).shuffle(generator=rng)
+            draw = partial(flwr.DirichletPartitioner, k, "label", config.alpha, min_partition_size=0, shuffle=False)
+            parts = _redraw(lambda: _read(draw(seed=int(rng.integers(2**32))), table), data, config)
         elif config.scheme == "pathological":
-            parts = _pathological(_labels(data, "pathological", config.column), config, rng)
+            table = _table(_pathological_labels(_labels(data, "pathological", config.column), config, rng))
+            # The deterministic assignment draws nothing, so the partitioner needs no seed.
+            parts = list(_read(flwr.PathologicalPartitioner(
+                k, "label", config.classes_per_client, class_assignment_mode="deterministic", shuffle=False
+            ), table.shuffle(generator=rng)))
+        elif config.scheme == "dirichlet-mix":
+            parts = _dirichlet_mix(_labels(data, "dirichlet-mix", config.column), k, config.alpha, rng)
         else:  # quantity
-            parts = _redraw(lambda: _quantity_once(n, config.num_clients, config.alpha, rng), data, config)
+            parts = _redraw(lambda: _quantity_once(n, k, config.alpha, rng), data, config)
     parts = [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
     _check(parts, n, data, config)
     return parts
+
+
+def _table(labels: np.ndarray) -> datasets.Dataset:
+    """The table a flwr-datasets partitioner splits: each example's index and the label it partitions by. In arrow
+    format, since the partitioners' numpy conversion of a column goes row by row in any other (seconds per draw)."""
+    import datasets
+
+    return datasets.Dataset.from_dict({"index": np.arange(len(labels)), "label": labels}).with_format("arrow")
+
+
+def _read(partitioner: Any, table: datasets.Dataset) -> Iterator[np.ndarray]:
+    """Each partition's example indices, client by client. flwr-datasets says what it refused in a ValueError."""
+    partitioner.dataset = table
+    try:
+        for client in range(partitioner.num_partitions):
+            yield np.asarray(partitioner.load_partition(client)["index"])
+    except ValueError as error:
+        raise PartitionError(f"flwr-datasets' {type(partitioner).__name__} refused the partition: {error}") from error
 
 
 def _labels(data: TextDataset, scheme: str, column: str | None = None) -> np.ndarray:
@@ -121,15 +160,23 @@ def _labels(data: TextDataset, scheme: str, column: str | None = None) -> np.nda
     return np.asarray(data.labels, dtype=np.int64)
 
 
-def _dirichlet_once(labels: np.ndarray, k: int, alpha: float, rng: np.random.Generator) -> list[np.ndarray]:
-    # Hsu et al. 2019: per class, client shares ~ Dir(alpha * 1_K) cut that class's shuffled indices.
-    chunks: list[list[np.ndarray]] = [[] for _ in range(k)]
-    for c in np.unique(labels):
-        idx = rng.permutation(np.flatnonzero(labels == c))
-        cuts = (np.cumsum(rng.dirichlet(np.full(k, alpha))) * len(idx)).astype(np.int64)[:-1]
-        for client, piece in enumerate(np.split(idx, cuts)):
-            chunks[client].append(piece)
-    return [np.concatenate(c) for c in chunks]
+def _pathological_labels(labels: np.ndarray, config: PartitionConfig, rng: np.random.Generator) -> np.ndarray:
+    """The classes renumbered in a random order: the deterministic assignment gives client i the classes i, i + 1,
+    ..., i + classes_per_client - 1 (mod the class count), so the renumbering decides who holds what. Only classes
+    present in the data count: a client holding just absent classes would be empty."""
+    classes, codes = np.unique(labels, return_inverse=True)
+    k, cpc = config.num_clients, config.classes_per_client
+    if cpc > len(classes):
+        raise PartitionError(
+            f"pathological: classes_per_client={cpc} but the data has only {len(classes)} classes; "
+            f"use classes_per_client <= {len(classes)}"
+        )
+    if k + cpc - 1 < len(classes):
+        raise PartitionError(
+            f"pathological: {k} clients holding {cpc} consecutive classes each cover only {k + cpc - 1} of "
+            f"{len(classes)} classes, leaving examples unassigned; raise num_clients or classes_per_client"
+        )
+    return rng.permutation(len(classes))[codes]
 
 
 def _dirichlet_mix(labels: np.ndarray, k: int, alpha: float, rng: np.random.Generator) -> list[np.ndarray]:
@@ -162,48 +209,25 @@ def _quantity_once(n: int, k: int, alpha: float, rng: np.random.Generator) -> li
     return np.split(rng.permutation(n), cuts)
 
 
-def _redraw(draw: Callable[[], list[np.ndarray]], data: TextDataset, config: PartitionConfig) -> list[np.ndarray]:
-    """Draw until every client has min_size examples; the shared rng stream keeps this deterministic."""
+def _redraw(draw: Callable[[], Iterable[np.ndarray]], data: TextDataset, config: PartitionConfig) -> list[np.ndarray]:
+    """Draw until every client has min_size examples, dropping a draw at its first short client (reading a
+    flwr-datasets partition costs milliseconds). DirichletPartitioner's own min_partition_size gives up after 11
+    draws, warning at each, and does not name the short client, hence this loop."""
     for _ in range(MAX_DRAWS):
-        parts = draw()
-        sizes = [len(p) for p in parts]
-        if min(sizes) >= config.min_size:
+        parts = []
+        for part in draw():
+            parts.append(part)
+            if len(part) < config.min_size:
+                break
+        else:
             return parts
-    client = int(np.argmin(sizes))
-    got = "no examples" if sizes[client] == 0 else f"only {sizes[client]} examples (min_size={config.min_size})"
+    client, size = len(parts) - 1, len(parts[-1])
+    got = "no examples" if size == 0 else f"only {size} examples (min_size={config.min_size})"
     raise PartitionError(
-        f"client {client} would get {got} in each of {MAX_DRAWS} draws ({config.scheme} alpha={config.alpha}, "
-        f"{config.num_clients} clients, {len(data)} examples); lower num_clients or min_size, or raise alpha"
+        f"each of {MAX_DRAWS} draws left a client short; in the last, client {client} would get {got} "
+        f"({config.scheme} alpha={config.alpha}, {config.num_clients} clients, {len(data)} examples); lower "
+        "num_clients or min_size, or raise alpha"
     )
-
-
-def _pathological(labels: np.ndarray, config: PartitionConfig, rng: np.random.Generator) -> list[np.ndarray]:
-    # Only classes present in the data count: a client holding just absent classes would be empty.
-    classes = np.unique(labels)
-    k, cpc = config.num_clients, config.classes_per_client
-    if cpc > len(classes):
-        raise PartitionError(
-            f"pathological: classes_per_client={cpc} but the data has only {len(classes)} classes; "
-            f"use classes_per_client <= {len(classes)}"
-        )
-    if k * cpc < len(classes):
-        raise PartitionError(
-            f"pathological: {k} clients x {cpc} classes cover only {k * cpc} of {len(classes)} classes, "
-            "leaving examples unassigned; raise num_clients or classes_per_client"
-        )
-    order = rng.permutation(classes)
-    # Round-robin over the shuffled list: consecutive runs of cpc <= K classes are distinct, and
-    # k * cpc >= K runs through every class at least once.
-    holders: dict[int, list[int]] = {int(c): [] for c in classes}
-    for client in range(k):
-        for j in range(cpc):
-            holders[int(order[(client * cpc + j) % len(classes)])].append(client)
-    chunks: list[list[np.ndarray]] = [[] for _ in range(k)]
-    for c, clients in holders.items():
-        idx = rng.permutation(np.flatnonzero(labels == c))
-        for client, piece in zip(clients, np.array_split(idx, len(clients)), strict=True):
-            chunks[client].append(piece)
-    return [np.concatenate(c) for c in chunks]
 
 
 def _column_codes(data: TextDataset, column: str, scheme: str) -> np.ndarray:
@@ -219,11 +243,6 @@ def _column_codes(data: TextDataset, column: str, scheme: str) -> np.ndarray:
         values.append(example[column])
     groups = {v: g for g, v in enumerate(sorted(set(values)))}
     return np.array([groups[v] for v in values], dtype=np.int64)
-
-
-def _natural(data: TextDataset, column: str) -> list[np.ndarray]:
-    codes = _column_codes(data, column, "natural")  # client i holds the i-th distinct value
-    return [np.flatnonzero(codes == g) for g in range(int(codes.max()) + 1)]
 
 
 def _check(parts: list[np.ndarray], n: int, data: TextDataset, config: PartitionConfig) -> None:
