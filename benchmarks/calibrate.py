@@ -30,7 +30,7 @@ from zofed.run.checkpoint import find_checkpoint
 from zofed.run.config import FinetuneConfig, load_config
 from zofed.run.finetune import finetune
 from zofed.run.metrics import MetricsLog
-from zofed.run.setup import build
+from zofed.run.setup import FEATURE_STORE_VARIABLE, build
 from zofed.zo.feature_scale import SETUP_PASSES
 from zofed.zo.prefix import forward_equivalents
 
@@ -52,45 +52,45 @@ SETTINGS = {
     # queries a step: (1 - 4/30) + 2 * 4 * 4/30 = 1.93 forward equivalents a step
     "top4-cached-q4": ["trainable.mode=patterns",
                        "trainable.patterns=['layers\\.(26|27|28|29)\\..*norm\\.weight$', '^model\\.norm\\.weight$']",
-                       "zo.prefix_cache=true", "zo.queries=4"],
+                       "zo.cache=prefix", "zo.queries=4"],
     # the same with one-sided queries around a shared centre: (1 - 4/30) + 5 * 4/30 = 1.53 a step
     "top4-cached-q4-forward": ["trainable.mode=patterns",
                                "trainable.patterns=['layers\\.(26|27|28|29)\\..*norm\\.weight$', "
                                "'^model\\.norm\\.weight$']",
-                               "zo.prefix_cache=true", "zo.queries=4", "zo.estimator=forward"],
+                               "zo.cache=prefix", "zo.queries=4", "zo.estimator=forward"],
     # the same with each coordinate's noise scaled by 1 / RMS of its input feature (zo/feature_scale.py)
     "top4-cached-q4-features": ["trainable.mode=patterns",
                                 "trainable.patterns=['layers\\.(26|27|28|29)\\..*norm\\.weight$', "
                                 "'^model\\.norm\\.weight$']",
-                                "zo.prefix_cache=true", "zo.queries=4", "zo.precondition=features"],
+                                "zo.cache=prefix", "zo.queries=4", "zo.precondition=features"],
     # the label head alone (the verbalizer's output rows, 3 x 576 values on AG News' 4 classes: 2,304) with the
     # whole backbone cached: a perturbed pass runs only the final projection, so 16 queries cost 1 pass a step
-    "head-cached-q16": ["trainable.mode=none", "trainable.label_head=true", "zo.prefix_cache=true",
+    "head-cached-q16": ["trainable.mode=none", "trainable.label_head=true", "zo.cache=features",
                         "zo.queries=16"],
     # the same with each column's noise scaled by 1 / RMS of the hidden feature it reads (zo/feature_scale.py): the
     # few massive channels no longer cap the lr the other 570-odd columns get
-    "head-cached-q16-features": ["trainable.mode=none", "trainable.label_head=true", "zo.prefix_cache=true",
+    "head-cached-q16-features": ["trainable.mode=none", "trainable.label_head=true", "zo.cache=features",
                                  "zo.queries=16", "zo.precondition=features"],
     # the label head with three times the queries: still one pass a step, and 48 scalars a step still fit a
     # client's round of 4 steps in 1 KB of uplink; the gradient estimate's variance falls with the queries
-    "head-cached-q48": ["trainable.mode=none", "trainable.label_head=true", "zo.prefix_cache=true",
+    "head-cached-q48": ["trainable.mode=none", "trainable.label_head=true", "zo.cache=features",
                         "zo.queries=48"],
     # the label head and the top-4 gains, cached, 4 queries: 1.93 passes a step
     "head-top4-cached-q4": ["trainable.mode=patterns", "trainable.label_head=true",
                             "trainable.patterns=['layers\\.(26|27|28|29)\\..*norm\\.weight$', "
                             "'^model\\.norm\\.weight$']",
-                            "zo.prefix_cache=true", "zo.queries=4"],
+                            "zo.cache=prefix", "zo.queries=4"],
     # the label head and the top-4 gains, cached, 4 one-sided queries around a shared centre: 1.53 passes a step
     "head-top4-cached-q4-forward": ["trainable.mode=patterns", "trainable.label_head=true",
                                     "trainable.patterns=['layers\\.(26|27|28|29)\\..*norm\\.weight$', "
                                     "'^model\\.norm\\.weight$']",
-                                    "zo.prefix_cache=true", "zo.queries=4", "zo.estimator=forward"],
+                                    "zo.cache=prefix", "zo.queries=4", "zo.estimator=forward"],
     # the gains of the top 8 blocks and the final norm (9,792 values), cached, 4 one-sided queries:
     # (1 - 8/30) + 5 * 8/30 = 2.07 passes a step
     "top8-cached-q4-forward": ["trainable.mode=patterns",
                                "trainable.patterns=['layers\\.(2[2-9])\\..*norm\\.weight$', "
                                "'^model\\.norm\\.weight$']",
-                               "zo.prefix_cache=true", "zo.queries=4", "zo.estimator=forward"],
+                               "zo.cache=prefix", "zo.queries=4", "zo.estimator=forward"],
 }
 LRS = {"dense-gains": [3e-4], "top4-cached-q4": [3e-4, 1e-3], "top4-cached-q4-forward": [1e-3],
        "top4-cached-q4-features": [1e-3, 3e-3], "head-cached-q16": [1e-4, 3e-4],
@@ -105,15 +105,20 @@ def row_key(dataset: str, setting: str, lr: float, seed: int, budget: int) -> st
     return f"{dataset}|{setting}|{lr:g}|{seed}|{budget}"
 
 
-# remembered body features, one file per model (not committed), shared with benchmarks/ranking.py: on a frozen body
-# each example runs through the model once, and the curves equal recomputing them (tests/test_feature_cache.py)
+# remembered body features, one file per model (not committed), shared with benchmarks/ranking.py: with zo.cache:
+# features each example runs through the model once, and the curves equal recomputing them
+# (tests/test_feature_cache.py)
 FEATURE_STORE = ROOT / "runs" / "feature-store"
-REMEMBER_FEATURES = ["train.remember_features=true", f"train.features_dir={FEATURE_STORE}"]
+
+
+def use_feature_store() -> None:
+    """Keep the body features the runs of this process (and of those it starts) remember in FEATURE_STORE, unless
+    the environment already names a store."""
+    os.environ.setdefault(FEATURE_STORE_VARIABLE, str(FEATURE_STORE))
 
 
 def _config(dataset: str, setting: str, lr: float, seed: int, out: Path) -> FinetuneConfig:
-    remember = REMEMBER_FEATURES if setting.startswith("head-cached") else []  # the head-only settings
-    return load_config(None, [*COMMON, *TASKS[dataset], *SETTINGS[setting], *remember, f"optimizer.lr={lr}",
+    return load_config(None, [*COMMON, *TASKS[dataset], *SETTINGS[setting], f"optimizer.lr={lr}",
                               f"data.source=shared:{dataset}", f"train.seed={seed}", f"out_dir={out}"])
 
 
@@ -209,6 +214,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--table-only", action="store_true", help="rewrite the page from the JSON; run nothing")
     args = parser.parse_args()
+    use_feature_store()
     path = RESULTS / "calibration.json"
     table = json.loads(path.read_text()) if path.is_file() else {"meta": {}, "rows": {}}
     if args.table_only:

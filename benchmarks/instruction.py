@@ -9,7 +9,7 @@ Protocol (the instruction-tuning issue):
   (`task.prompt_format=auto`), `task.max_length` 256. Every row trains the same tensors, LoRA r 8 on q_proj and
   v_proj (`trainable.mode=lora`, the default), the ZO rows included: one trainable set, the one FedAvg needs.
   One more row prices zofed's engine lever on this task: `zofed-top2-cached` trains the same adapters on the top
-  2 blocks only (`trainable.lora_layers`), runs the frozen bottom once a step (`zo.prefix_cache`) and averages 4
+  2 blocks only (`trainable.lora_layers`), runs the frozen bottom once a step (`zo.cache: prefix`) and averages 4
   queries a step over the top blocks (ROW_OPTIONS); `zofed-start` measures zofed's relative server step against
   each tensor's RMS at the start of the run (`relative_to=start`). The finals run the zofed variant with the lowest
   validation loss after tuning (`final_rows`); the others are priced by their tuning runs unless `--rows` names them.

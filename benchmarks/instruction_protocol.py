@@ -37,7 +37,7 @@ TOP_BLOCKS, TOP_QUERIES = 2, 4
 # 4 to 6 of the 60 B tensors ever passed an RMS of 1e-3, while the B that moved first stepped by its own RMS and
 # reached 0.82 (seed 0) and 0.58 (seed 2) against A's 0.024 (docs/method.md, `zofed replay --trace`).
 ROW_OPTIONS: dict[str, list[str]] = {
-    "zofed-top2-cached": [f"trainable.lora_layers={list(range(-TOP_BLOCKS, 0))}", "zo.prefix_cache=true",
+    "zofed-top2-cached": [f"trainable.lora_layers={list(range(-TOP_BLOCKS, 0))}", "zo.cache=prefix",
                           f"zo.queries={TOP_QUERIES}"],
     "zofed-start": ["federation.server_optimizer.relative_to=start"]}
 # The (client lr, server lr factor) points each row is tuned on: four along the lever that sets its step. The client
@@ -81,7 +81,7 @@ def per_client_round_cost(row: str) -> float:
         return 0.0
     config = load_config(None, [*COMMON, *METHOD_OPTIONS.get(method, []), *ROW_OPTIONS.get(row, []),
                                 f"federation.method={method}"], schema=FederatedConfig)
-    plan = federation_plan(config, CLIENTS, pass_fraction(row) if config.zo.prefix_cache else 1.0)
+    plan = federation_plan(config, CLIENTS, pass_fraction(row) if config.zo.cache != "none" else 1.0)
     return get_method(method).forward_passes(get_method(plan.method).round_plan(plan.round(0), plan.sampling))
 
 

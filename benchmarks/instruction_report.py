@@ -218,7 +218,7 @@ def write_report(table: dict, out: Path) -> None:
              f"batch {BATCH}, `task.max_length` {MAX_LENGTH}, SmolLM2's chat template. Every row trains LoRA r 8 on "
              "q_proj and v_proj of every block (the ZO rows too: one trainable set for all), but zofed-top2-cached: "
              f"zofed with the same adapters on the top {TOP_BLOCKS} blocks only, the frozen bottom run once a step "
-             f"(`zo.prefix_cache`) and {TOP_QUERIES} one-sided queries a step over the top blocks and the vocabulary "
+             f"(`zo.cache: prefix`) and {TOP_QUERIES} one-sided queries a step over the top blocks and the vocabulary "
              f"projection ({pass_fraction('zofed-top2-cached'):.3f} of a full pass each) "
              f"({PER_ROUND * per_client_round_cost('zofed-top2-cached'):.1f} passes a round). zofed-start is zofed "
              "with each tensor's relative server step measured against its RMS at the start of the run instead of "

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from ranking_protocol import (  # benchmarks/ is the script's own directory, so first on sys.path
+from calibrate import use_feature_store  # benchmarks/ is the script's own directory, so first on sys.path
+from ranking_protocol import (
     RESULTS,
     ROOT,
     check_names,
@@ -78,7 +79,7 @@ def warm_features(pending: list[tuple], threads: int) -> None:
     for run in pending:
         phase, _, _, dataset, alpha, seed, _ = run
         config = run_config(*run, ROOT / "runs" / "unused")
-        if not config.train.remember_features or (phase, dataset, alpha, seed) in done:
+        if config.zo.cache != "features" or (phase, dataset, alpha, seed) in done:
             continue
         done.add((phase, dataset, alpha, seed))
         setup = build(config)
@@ -195,6 +196,7 @@ def main() -> None:
     table["meta"] = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
                      "protocol": p.model_dump()}
     print(f"{len(pending)} runs to do, {args.jobs} at a time", flush=True)
+    use_feature_store()  # the runs with zo.cache: features read the features warmed here
     warm_features(pending, args.threads)
     record_rows(run_rows(_process, pending, row_key, args.jobs, args.threads), table, TABLE,
                 lambda: write_report(table), "curve")

@@ -14,7 +14,7 @@ from typing import Literal
 import numpy as np
 import torch
 import yaml
-from calibrate import REMEMBER_FEATURES, TASKS  # benchmarks/ is the script's own directory, so first on sys.path
+from calibrate import TASKS  # benchmarks/ is the script's own directory, so first on sys.path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from zofed.fl.methods import get_method
@@ -61,7 +61,6 @@ class Row(_Strict):
     grid: str | None = None
     trainable: Literal["table", "recipe", "own"] = "table"
     set: list[str] = []
-    remember_features: bool | None = None  # None: the table's
 
     @model_validator(mode="after")
     def _complete(self) -> Row:
@@ -83,7 +82,6 @@ class Table(_Strict):
     title: str
     trainable: list[str]
     pass_fraction: str  # the share of the blocks a perturbed pass runs with the prefix cached, e.g. "4/30"
-    remember_features: bool = False
     rows: dict[str, Row] = Field(min_length=1)
 
     @model_validator(mode="after")
@@ -170,18 +168,16 @@ def row_overrides(p: Protocol, table: str, row: str, dataset: str | None = None)
     dataset's task, the table's trainable set (unless the recipe or the row names it) and the row's own set."""
     t, r = p.tables[table], p.tables[table].rows[row]
     trainable = t.trainable if r.trainable == "table" else []
-    remember = t.remember_features if r.remember_features is None else r.remember_features
     task = [*TASKS[dataset], f"data.source=shared:{dataset}"] if dataset is not None else []
     method = [f"federation.method={r.method}"] if r.method else []
-    return [*shape_overrides(p), *task, *trainable, *r.set, *method, *(REMEMBER_FEATURES if remember else [])]
+    return [*shape_overrides(p), *task, *trainable, *r.set, *method]
 
 
 def row_digest(p: Protocol, table: str, row: str) -> str:
     """A short hash of what defines a row (its overrides without the dataset): a stored row whose digest differs
-    was run under another protocol. The simulator's remembered features are left out: they change no result, and
-    how a run asks for them is an engine detail that may change."""
-    defining = [o for o in row_overrides(p, table, row) if o not in REMEMBER_FEATURES]
-    text = json.dumps([defining, p.federation.budget, p.tables[table].pass_fraction])
+    was run under another protocol. What the simulator remembers is no part of it (an engine detail that changes
+    no result)."""
+    text = json.dumps([row_overrides(p, table, row), p.federation.budget, p.tables[table].pass_fraction])
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -197,7 +193,7 @@ def base_config(p: Protocol, table: str, row: str, dataset: str | None = None) -
 
 def pass_fraction(p: Protocol, table: str, config: FederatedConfig) -> float:
     """The share of the blocks a perturbed pass runs: the table's when the prefix is cached, else all of them."""
-    return p.tables[table].fraction if config.zo.prefix_cache else 1.0
+    return p.tables[table].fraction if config.zo.cache != "none" else 1.0
 
 
 @cache
@@ -347,9 +343,9 @@ def zofed_settings(config: FederatedConfig, trainable_tensors: int) -> dict:
     server = fed.server_optimizer.resolved(fed.method, fed.rounds)
     blocks = fed.sampling.blocks or trainable_tensors
     return {"estimator": zo.resolved_estimator(fed.method), "queries": zo.queries, "local_steps": fed.local_steps,
-            "batch_size": config.train.batch_size, "feature_cache": fed.feature_cache,
+            "batch_size": config.train.batch_size, "cached_examples": config.feature_cache(),
             "scalar_bits": fed.scalar_bits, "logit_adjust": fed.logit_adjust, "average_from": fed.average_from,
-            "prefix_cache": zo.prefix_cache, "server_optimizer": server["name"], "server_lr": server["lr"],
+            "cache": zo.cache, "server_optimizer": server["name"], "server_lr": server["lr"],
             "personalize": fed.sampling.personalize, "blocks": blocks, "recipe": fed.recipe,
             "active": {"block_sampling": fed.sampling.personalize and blocks > 1,
                        "server_momentum": server["name"] != "sgd"}}

@@ -84,9 +84,9 @@ def settings_lines(p: Protocol, table: str, rows: list[dict]) -> list[str]:
                     and p.tables[table].rows[r["row"]].trainable != "own"), None)
     s = zofed_settings(config, tensors or 0)
     lines = [f"zofed's row is `zofed run`'s own settings here (recipe {s['recipe']}): {s['estimator']} estimator, "
-             f"{s['queries']} queries a step, {s['local_steps']} local steps of batch {s['batch_size']}, feature cache "
-             f"{s['feature_cache']} examples a client round, {s['scalar_bits']}-bit scalars, logit adjustment "
-             f"{s['logit_adjust']:g}, tail averaging from {s['average_from']}, prefix cache {s['prefix_cache']}, "
+             f"{s['queries']} queries a step, {s['local_steps']} local steps of batch {s['batch_size']}, zo.cache "
+             f"{s['cache']} ({s['cached_examples']} cached examples a client round), {s['scalar_bits']}-bit scalars, "
+             f"logit adjustment {s['logit_adjust']:g}, tail averaging from {s['average_from']}, "
              f"server optimizer {s['server_optimizer']} (lr {s['server_lr']:g}), block sampling over "
              f"{s['blocks'] or 'an unknown number of'} blocks (personalize {s['personalize']})."]
     states = dict(s["active"])

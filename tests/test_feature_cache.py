@@ -1,12 +1,14 @@
-"""Cached features (federation.feature_cache): with every block frozen, a client runs its examples through the
-model once a round and steps its label head on their last hidden states."""
+"""Cached features (zo.cache: features): with every block frozen, a client runs its examples through the model once
+a round and steps its label head on their last hidden states; the in-process simulator remembers each example's
+row across rounds and runs (ZOFED_FEATURE_STORE), which changes no bit of a run."""
 
 import json
 
 import numpy as np
 import pytest
 import torch
-from toy_federation import tiny_federated_config, toy_context
+from safetensors.torch import load_file
+from toy_federation import recompute_features, tiny_federated_config, toy_context
 
 from zofed.data.body_features import ROWS_ALONE, BodyFeatures, fingerprint
 from zofed.data.tasks import Encoded
@@ -16,7 +18,7 @@ from zofed.run.federated import run_federated
 from zofed.run.replay import replay_run
 from zofed.zo.prefix import PrefixCache, first_trainable_layer
 
-HEAD = ("trainable.mode=none", "trainable.label_head=true", "zo.prefix_cache=true")
+HEAD = ("trainable.mode=none", "trainable.label_head=true", "zo.cache=features")
 
 
 def _head_context():
@@ -32,14 +34,13 @@ def test_the_loss_on_cached_features_is_the_full_forward_loss():
     ctx, model, trainable = _head_context()
     cache = PrefixCache(model, first_trainable_layer(model, trainable.names))
     rows = np.arange(5, 29)  # three batches of 8, with prompts of several lengths
-    features = ctx.task.last_features(cache, ctx.train, rows, batch_size=8)
+    features = ctx.task.last_features(cache, ctx.train, rows)
     assert features.shape == (24, model.config.hidden_size)
-    # batches run by length: each row must still come back in its example's place
+    # each row comes back in its example's place, the bits it gives alone whatever else is asked with it
     ragged = Encoded([ids[i % 3:] for i, ids in enumerate(ctx.train.input_ids)], ctx.train.labels)
-    together = ctx.task.last_features(cache, ragged, rows, batch_size=8)
+    together = ctx.task.last_features(cache, ragged, rows)
     for k in (0, 7, 10, 23):
-        alone = ctx.task.last_features(cache, ragged, rows[k:k + 1], batch_size=8)[0]
-        assert torch.allclose(together[k], alone, atol=1e-5)
+        assert torch.equal(together[k], ctx.task.last_features(cache, ragged, rows[k:k + 1])[0])
     assert not torch.allclose(together[0], together[1], atol=1e-3)
     labels = torch.as_tensor(ctx.train.labels[rows])
     shift = torch.tensor([0.4, -0.9])
@@ -51,7 +52,7 @@ def test_the_loss_on_cached_features_is_the_full_forward_loss():
     assert abs(moved - full) > 1e-3
     assert ctx.task.feature_loss(model, cache, features, labels, shift) == pytest.approx(moved, abs=1e-5)
     with pytest.raises(ValueError, match="every block frozen"):
-        ctx.task.last_features(PrefixCache(model, 1), ctx.train, rows, batch_size=8)
+        ctx.task.last_features(PrefixCache(model, 1), ctx.train, rows)
 
 
 def test_a_step_s_feature_loss_reads_the_weights_of_each_call_a_trainable_final_norm_included():
@@ -63,7 +64,7 @@ def test_a_step_s_feature_loss_reads_the_weights_of_each_call_a_trainable_final_
                                                                    label_head=True))
     cache = PrefixCache(model, first_trainable_layer(model, trainable.names))
     rows = np.arange(3, 11)
-    features = ctx.task.last_features(cache, ctx.train, rows, batch_size=8)
+    features = ctx.task.last_features(cache, ctx.train, rows)
     labels, shift = torch.as_tensor(ctx.train.labels[rows]), torch.tensor([0.2, -0.3])
     loss = ctx.task.feature_loss_fn(model, cache, features, labels, shift)
     first = loss()
@@ -81,7 +82,7 @@ def test_a_step_s_feature_loss_reads_the_weights_of_each_call_a_trainable_final_
 def test_a_run_on_cached_features_charges_them_once_a_round_learns_and_replays(tiny_workspace, tmp_path):
     out = tmp_path / "run"
     config = tiny_federated_config(tiny_workspace, out, *HEAD, "federation.method=zofed", "zo.queries=8",
-                                   "federation.feature_cache=20", "federation.local_steps=25", "optimizer.lr=0.05",
+                                   "federation.cached_examples=20", "federation.local_steps=25", "optimizer.lr=0.05",
                                    "federation.rounds=4")
     results = run_federated(config, show_progress=False)
     # 20 examples in batches of 8 a client round, and 25 steps of 8 one-sided queries (9 passes) over the head alone
@@ -97,13 +98,17 @@ def test_a_run_on_cached_features_charges_them_once_a_round_learns_and_replays(t
 
 
 def test_cached_features_are_refused_where_they_cannot_be_the_model_s_input(tiny_workspace, tmp_path):
-    with pytest.raises(ConfigError, match="needs zo.prefix_cache=true"):
-        tiny_federated_config(tiny_workspace, tmp_path / "a", "trainable.mode=none", "trainable.label_head=true",
-                              "federation.feature_cache=8")
-    config = tiny_federated_config(tiny_workspace, tmp_path / "b", "trainable.mode=patterns", "zo.prefix_cache=true",
-                                   "trainable.patterns=['layers\\.1\\..*norm\\.weight$']", "federation.feature_cache=8")
-    with pytest.raises(ConfigError, match="needs every block of the model frozen"):
-        run_federated(config, show_progress=False)
+    for cache in ("none", "prefix"):
+        with pytest.raises(ConfigError, match=f"cached_examples=8 .* features; this run has zo.cache: {cache}"):
+            tiny_federated_config(tiny_workspace, tmp_path / "a", "trainable.mode=none", "trainable.label_head=true",
+                                  f"zo.cache={cache}", "federation.cached_examples=8")
+    for trains in (["trainable.mode=patterns", "trainable.patterns=['layers\\.1\\..*norm\\.weight$']"],
+                   ["trainable.mode=lora"]):
+        config = tiny_federated_config(tiny_workspace, tmp_path / "b", *trains, "zo.cache=features")
+        with pytest.raises(ConfigError, match="zo.cache: features needs .*body is frozen"):
+            run_federated(config, show_progress=False)
+    with pytest.raises(ConfigError, match="zo.cache: features caches what a prompt classifier's head reads"):
+        tiny_federated_config(tiny_workspace, tmp_path / "c", "task.type=causal-lm", "zo.cache=features")
 
 
 def test_evaluating_a_frozen_body_runs_each_example_through_it_once_per_run():
@@ -164,7 +169,7 @@ def test_remembered_body_features_give_the_full_forward_losses_and_run_each_exam
     assert ctx.task.loss(model, ctx.task.collate(ctx.train, overlapping), shift) == pytest.approx(full[1], abs=1e-5)
     assert sum(seen) == _distinct(ctx, rows, overlapping)  # only the examples not seen before ran the body
     cached = ctx.task.cached_loss(model, whole, ctx.task.collate(ctx.train, rows), shift)
-    features = ctx.task.last_features(whole, ctx.train, overlapping, batch_size=8)
+    features = ctx.task.last_features(whole, ctx.train, overlapping)
     assert sum(seen) == _distinct(ctx, rows, overlapping)
     with torch.no_grad():  # the head is read afresh from the remembered rows
         trainable.tensors()[0].mul_(-1)
@@ -184,7 +189,7 @@ def test_a_features_store_is_shared_by_runs_of_the_same_body_only(tmp_path):
     first, second = BodyFeatures(whole, tmp_path, mark), BodyFeatures(whole, tmp_path, mark)
     ids = ctx.train.input_ids
     ctx.task.remember_body(first)  # the task's own row computation (each example alone), for either memo
-    run = ctx.task._features_alone
+    run = ctx.task._remembered_alone
     a = first.lookup([ids[i] for i in range(10)], run)
     second.lookup([ids[i] for i in range(5, 20)], run)
     first.save()
@@ -205,28 +210,33 @@ def test_a_features_store_is_shared_by_runs_of_the_same_body_only(tmp_path):
         BodyFeatures(whole, tmp_path, mark)
 
 
-def test_a_run_remembering_body_features_learns_what_a_recomputing_run_learns(tiny_workspace, tmp_path):
-    head = ("trainable.mode=none", "trainable.label_head=true", "federation.method=zofed", "zo.queries=2",
-            "optimizer.lr=0.05", "federation.eval_every=1")
+def test_a_run_remembering_body_features_ends_bit_for_bit_as_a_recomputing_run(tiny_workspace, tmp_path,
+                                                                               monkeypatch):
+    """The simulator remembers body features by itself with zo.cache: features; a run whose clients compute their
+    round features afresh (as Flower's do), and one reading a store a first run filled, end with the same bits."""
+    head = (*HEAD, "federation.method=zofed", "zo.queries=2", "optimizer.lr=0.05", "federation.eval_every=1",
+            "federation.local_steps=6")
     store = tmp_path / "store"
+    monkeypatch.setenv("ZOFED_FEATURE_STORE", str(store))
+    seen = []  # how many examples the body ran in each run
+    original = BodyFeatures.save
+    monkeypatch.setattr(BodyFeatures, "save", lambda self: (seen.append(self.computed), original(self))[1])
     runs = {}
-    for name, extra in [("recomputed", ()), ("remembered", ("train.remember_features=true",
-                                                            f"train.features_dir={store}"))]:
-        config = tiny_federated_config(tiny_workspace, tmp_path / name, *head, *extra)
-        runs[name] = (run_federated(config, show_progress=False),
-                      [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()])
-    (plain, plain_log), (fast, fast_log) = runs["recomputed"], runs["remembered"]
-    assert fast["forward_passes"] == plain["forward_passes"]  # a client's compute is counted as it would run
-    for key in ("train_loss", "eval_accuracy"):
-        assert [r.get(key) for r in fast_log] == pytest.approx([r.get(key) for r in plain_log], abs=1e-4)
-    assert fast["test"]["accuracy"] == plain["test"]["accuracy"]
+    for name in ("cold", "warm", "recomputed"):
+        if name == "recomputed":
+            monkeypatch.delenv("ZOFED_FEATURE_STORE")
+            recompute_features(monkeypatch)
+        out = tmp_path / name
+        results = run_federated(tiny_federated_config(tiny_workspace, out, *head), show_progress=False)
+        log = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = (results, [r.get("train_loss") for r in log], [r.get("eval_loss") for r in log],
+                      load_file(str(out / "final" / "trainable.safetensors")))
+    cold = runs["cold"]
+    for name in ("warm", "recomputed"):
+        other = runs[name]
+        assert other[0]["forward_passes"] == cold[0]["forward_passes"]  # a client's compute is counted as it runs
+        assert other[1] == cold[1] and other[2] == cold[2], name
+        assert all(torch.equal(other[3][k], cold[3][k]) for k in cold[3]), name
     assert len(list(store.glob("*.safetensors"))) == 1
-    assert replay_run(tmp_path / "remembered").matches
-
-
-def test_remembered_features_are_refused_where_the_body_trains(tiny_workspace, tmp_path):
-    with pytest.raises(ConfigError, match="needs train.remember_features=true"):
-        tiny_federated_config(tiny_workspace, tmp_path / "a", f"train.features_dir={tmp_path}")
-    config = tiny_federated_config(tiny_workspace, tmp_path / "b", "train.remember_features=true")  # LoRA trains
-    with pytest.raises(ConfigError, match="whose body is frozen"):
-        run_federated(config, show_progress=False)
+    assert seen[0] > 0 and seen[1] == 0  # the second run read every row from the first run's store
+    assert replay_run(tmp_path / "warm").matches

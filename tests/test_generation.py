@@ -405,7 +405,7 @@ def test_a_federated_causal_lm_run_with_top_block_lora_and_the_prefix_cached_end
                                     "trainable.lora_layers=[-1]", "zo.queries=2", "federation.clients_per_round=2",
                                     "federation.local_steps=2", "federation.partition.scheme=iid",
                                     "federation.partition.num_clients=4", "federation.rounds=2",
-                                    "task.generate_eval=0", f"zo.prefix_cache={str(cached).lower()}"],
+                                    "task.generate_eval=0", f"zo.cache={'prefix' if cached else 'none'}"],
                              schema=FederatedConfig)
         passes[cached] = run_federated(config, show_progress=False)["forward_passes_per_client_round"]
         finals[cached] = load_file(str(out / "final" / "trainable.safetensors"))

@@ -82,7 +82,7 @@ def test_tuning_chooses_each_rows_lowest_validation_loss_and_finals_need_it(tmp_
     assert protocol.final_rows([*rows, _tuned("zofed-top2-cached", 1e-2, 2.01, 10.0)], 360.0) == \
         ["zero-shot", "zo-seeds", "fedkseed", "decomfl", "fedavg-lora", "zofed-top2-cached"]
     top = protocol.make_config("zofed-top2-cached", 0, 360.0, (None, 0, 0), tmp_path / "c", (1e-2, 10.0), "tune")
-    assert (top.trainable.lora_layers, top.zo.prefix_cache, top.zo.queries) == ([-2, -1], True, 4)
+    assert (top.trainable.lora_layers, top.zo.cache, top.zo.queries) == ([-2, -1], "prefix", 4)
     # A cached pass runs 2 of SmolLM2's 30 blocks (3,540,096 weights each, with 15,360 of LoRA) and the vocabulary
     # projection (49,152 x 576): 0.2633 of a full pass. 4 steps of the capture pass and 5 such passes: 14 rounds.
     block, lora, head = 3_540_096, 15_360, 49_152 * 576

@@ -81,7 +81,7 @@ def test_the_cached_loss_with_only_the_final_norm_trainable_matches_too():
 
 
 def test_a_federated_and_a_centralized_run_with_the_cache_end_where_they_do_without_it(tiny_workspace, tmp_path):
-    """The cached loss is the full loss, so a run with `zo.prefix_cache` ends bit-identical to one without; it is
+    """The cached loss is the full loss, so a run with `zo.cache: prefix` ends bit-identical to one without; it is
     charged (1 - f) + 2 q f forward passes a step instead of 2 q (here f = 1/2: the top block of two)."""
     from safetensors.torch import load_file
     from toy_federation import tiny_federated_config
@@ -96,7 +96,7 @@ def test_a_federated_and_a_centralized_run_with_the_cache_end_where_they_do_with
     for cached in (False, True):
         out = tmp_path / f"fed-{cached}"
         results[cached] = run_federated(tiny_federated_config(tiny_workspace, out, *top,
-                                                              f"zo.prefix_cache={str(cached).lower()}"),
+                                                              f"zo.cache={'prefix' if cached else 'none'}"),
                                         show_progress=False)
         results[cached]["final"] = load_file(str(out / "final" / "trainable.safetensors"))
     assert all(torch.equal(results[False]["final"][k], results[True]["final"][k]) for k in results[True]["final"])
@@ -110,7 +110,7 @@ def test_a_federated_and_a_centralized_run_with_the_cache_end_where_they_do_with
     central = {}
     for cached in (False, True):
         config = load_config(None, [*base, f"out_dir={tmp_path / f'c-{cached}'}",
-                                    f"zo.prefix_cache={str(cached).lower()}"], schema=FinetuneConfig)
+                                    f"zo.cache={'prefix' if cached else 'none'}"], schema=FinetuneConfig)
         central[cached] = finetune(config, show_progress=False)
     assert central[False]["test"] == central[True]["test"]
     assert (central[False]["forward_passes"], central[True]["forward_passes"]) == (4 * 2, 4 * 1.5)
@@ -124,7 +124,7 @@ def test_the_cache_is_refused_where_the_model_cannot_be_split(tiny_workspace, tm
 
     with pytest.raises(ConfigError, match="none in the embeddings"):
         run_federated(tiny_federated_config(tiny_workspace, tmp_path / "x", "trainable.mode=patterns",
-                                            "trainable.patterns=[embed_tokens]", "zo.prefix_cache=true"),
+                                            "trainable.patterns=[embed_tokens]", "zo.cache=prefix"),
                       show_progress=False)
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -18,8 +19,7 @@ P = protocol.protocol()
 # what the runner sets on every row, zofed's included: the lr, the rounds the budget buys, the curve's cadence,
 # the evaluated split, the seed, the output and the body-feature store the simulator reads
 RUNNER_KEYS = {"optimizer.lr", "federation.rounds", "federation.eval_every", "data.evaluate_on", "train.seed",
-               "federation.partition.seed", "federation.partition.alpha", "out_dir", "train.remember_features",
-               "train.features_dir"}
+               "federation.partition.seed", "federation.partition.alpha", "out_dir"}
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -88,7 +88,7 @@ def test_fedavg_on_the_head_runs_the_same_engine_first_order(tmp_path):
     except ValueError as err:  # ConfigError and pydantic's ValidationError among them
         pytest.skip(f"first-order FedAvg on the cached head features does not validate yet: {err}")
     fed = config.federation
-    assert (fed.method, fed.first_order_optimizer, fed.feature_cache, config.trainable.label_head) == \
+    assert (fed.method, fed.first_order_optimizer, config.feature_cache(), config.trainable.label_head) == \
            ("fedavg", "sgd", 8, True)
     assert fed.first_order_lr == 3e-3 and cost > 0  # the grid's lr goes to the first-order key
 
@@ -107,15 +107,19 @@ def test_every_row_spends_at_most_the_budget_and_a_round_less_than_it():
     assert protocol.rounds_for("head", "zo-seeds-plain", "agnews") < protocol.rounds_for("head", "zofed", "agnews")
 
 
-def test_the_frozen_body_rows_share_the_feature_store_and_lora_does_not(tmp_path):
-    from calibrate import FEATURE_STORE
+def test_the_cached_feature_rows_share_the_feature_store_and_the_others_do_not(tmp_path, monkeypatch):
+    from calibrate import FEATURE_STORE, use_feature_store
 
     def remembers(table: str, row: str) -> bool:
-        train = _run_config(table, row, tmp_path).train
-        return train.remember_features and Path(train.features_dir) == FEATURE_STORE
+        return _run_config(table, row, tmp_path).zo.cache == "features"
 
-    assert remembers("head", "zofed") and remembers("head", "hiso") and remembers("head", "zo-seeds-plain")
-    assert not remembers("head", "fedavg-lora") and not remembers("top4", "zofed")
+    assert remembers("head", "zofed") and remembers("head", "hiso") and remembers("head", "fedavg-head")
+    # zo-seeds as published runs every step's batch through the whole model, and LoRA trains the blocks
+    assert not remembers("head", "zo-seeds-plain") and not remembers("head", "fedavg-lora")
+    assert not remembers("top4", "zofed")
+    monkeypatch.delenv("ZOFED_FEATURE_STORE", raising=False)
+    use_feature_store()
+    assert Path(os.environ["ZOFED_FEATURE_STORE"]) == FEATURE_STORE
 
 
 def test_a_bad_protocol_file_is_refused_naming_the_problem(tmp_path):
@@ -181,7 +185,8 @@ def test_tuning_chooses_by_the_mean_and_prefers_points_tuned_on_more_seeds():
 
 def test_the_head_report_says_neither_component_is_active_and_top4_says_both_are():
     head = "\n".join(report.settings_lines(P, "head", [_stored("zofed", 0, 0.8)]))
-    assert "forward estimator, 8 queries a step, 48 local steps of batch 8, feature cache 8" in head
+    assert ("forward estimator, 8 queries a step, 48 local steps of batch 8, zo.cache features (8 cached examples a "
+            "client round)") in head
     assert "Neither of zofed's two components is active here" in head
     assert "zofed's row is zo-seeds with one-sided (forward) queries (8 a step)" in head
     top4 = "\n".join(report.settings_lines(P, "top4", [{**_stored("zofed", 0, 0.8, table="top4"),

@@ -21,9 +21,9 @@ def test_no_config_gets_the_head_recipe_and_a_stored_config_loads_back_the_same(
     cfg = _load()
     assert cfg.federation.recipe == "head"
     assert (cfg.trainable.mode, cfg.trainable.label_head) == ("none", True)
-    assert (cfg.zo.queries, cfg.zo.prefix_cache, cfg.optimizer.lr, cfg.train.batch_size) == (8, True, 1e-3, 8)
+    assert (cfg.zo.queries, cfg.zo.cache, cfg.optimizer.lr, cfg.train.batch_size) == (8, "features", 1e-3, 8)
     fed = cfg.federation
-    assert (fed.rounds, fed.local_steps, fed.scalar_bits, fed.feature_cache, fed.logit_adjust, fed.average_from) == \
+    assert (fed.rounds, fed.local_steps, fed.scalar_bits, fed.cached_examples, fed.logit_adjust, fed.average_from) == \
         (HEAD["federation"]["rounds"], 48, 16, 8, 1.0, 0.5)
     assert (fed.server_optimizer.name, fed.server_optimizer.lr) == ("sgd", 1.0)
     assert FederatedConfig.model_validate(yaml.safe_load(yaml.safe_dump(cfg.model_dump()))) == cfg
@@ -31,7 +31,7 @@ def test_no_config_gets_the_head_recipe_and_a_stored_config_loads_back_the_same(
 
 def test_the_config_wins_key_by_key_and_whole_sections_stay_the_users():
     cfg = _load("zo.queries=4", "federation.rounds=7")
-    assert (cfg.federation.recipe, cfg.zo.queries, cfg.federation.rounds, cfg.federation.feature_cache) == \
+    assert (cfg.federation.recipe, cfg.zo.queries, cfg.federation.rounds, cfg.feature_cache()) == \
         ("head", 4, 7, 8)
     split = _load("trainable.label_head_per_class=true")  # a setting of the recipe's own head keeps the recipe
     assert (split.federation.recipe, split.trainable.mode, split.trainable.label_head_per_class) == \
@@ -47,7 +47,7 @@ def test_the_config_wins_key_by_key_and_whole_sections_stay_the_users():
 def test_a_config_that_chose_otherwise_keeps_the_schema_defaults(override):
     cfg = _load(override)
     assert cfg.federation.recipe == "none"
-    assert (cfg.zo.queries, cfg.federation.feature_cache, cfg.federation.average_from) == (1, 0, None)
+    assert (cfg.zo.queries, cfg.zo.cache, cfg.feature_cache(), cfg.federation.average_from) == (1, "none", 0, None)
 
 
 def test_a_local_decoder_gets_the_recipe_once_its_kind_is_known(tiny_workspace):

@@ -1,6 +1,6 @@
 """A remembered body-feature row is a function of its example alone, not of the batch that first computed it: so a
 run remembering features ends bit for bit the same whether it ran in one sitting or two, with or without a store
-of rows from an earlier run (train.remember_features, train.features_dir)."""
+of rows from an earlier run (zo.cache: features, ZOFED_FEATURE_STORE)."""
 
 import json
 
@@ -59,7 +59,7 @@ def _ragged_data(path, n: int, seed: int) -> None:
 
 def _run(ws, out, *extra):
     head = ("trainable.mode=none", "trainable.label_head=true", "federation.method=zofed", "zo.queries=2",
-            "optimizer.lr=0.05", "federation.eval_every=2", "train.remember_features=true",
+            "optimizer.lr=0.05", "federation.eval_every=2", "zo.cache=features",
             "federation.rounds=4", f"data.source={ws / 'ragged.jsonl'}", f"data.test_source={ws / 'ragged-test.jsonl'}")
     return tiny_federated_config(ws, out, *head, *extra)
 
@@ -74,15 +74,18 @@ def _final(out):
     return load_file(str(out / "final" / "trainable.safetensors")), losses
 
 
-def test_a_run_remembering_features_resumes_bit_for_bit_with_and_without_a_store(tiny_workspace, tmp_path):
+def test_a_run_remembering_features_resumes_bit_for_bit_with_and_without_a_store(tiny_workspace, tmp_path,
+                                                                                 monkeypatch):
     ws, store = tmp_path / "ws", tmp_path / "store"
     ws.mkdir()
     (ws / "model").symlink_to(tiny_workspace / "model")
     _ragged_data(ws / "ragged.jsonl", 200, 0)
     _ragged_data(ws / "ragged-test.jsonl", 40, 1)
-    run_federated(_run(ws, tmp_path / "whole", f"train.features_dir={store}"), show_progress=False)
+    monkeypatch.setenv("ZOFED_FEATURE_STORE", str(store))
+    run_federated(_run(ws, tmp_path / "whole"), show_progress=False)
+    _two_sittings(ws, tmp_path / "warm")  # every row read from the store
+    monkeypatch.delenv("ZOFED_FEATURE_STORE")
     _two_sittings(ws, tmp_path / "resumed")  # no store: the second sitting computes its rows afresh
-    _two_sittings(ws, tmp_path / "warm", f"train.features_dir={store}")  # every row read from the store
     (whole, whole_losses) = _final(tmp_path / "whole")
     for name in ("resumed", "warm"):
         tensors, losses = _final(tmp_path / name)

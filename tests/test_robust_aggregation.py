@@ -401,7 +401,7 @@ def test_the_probe_screen_on_a_prefix_cache_scores_as_the_full_model_does(tiny_w
 
     head = ("trainable.mode=none", "trainable.label_head=true")
     scores = []
-    for extra in [head, (*head, "zo.prefix_cache=true")]:
+    for extra in [head, (*head, "zo.cache=prefix")]:
         setup = build(tiny_federated_config(tiny_workspace, tmp_path / "s", *extra))
         assert (setup.cache is None) == (len(extra) == 2)
         score, _, _ = probe_loss_screen(setup, 16, 0, 0.1)
@@ -416,7 +416,7 @@ def test_the_head_common_mode_has_a_regressor_per_head_row_and_only_with_every_b
     from zofed.run.screening import head_common_mode
     from zofed.run.setup import build
 
-    head = ("trainable.mode=none", "trainable.label_head=true", "zo.prefix_cache=true")
+    head = ("trainable.mode=none", "trainable.label_head=true", "zo.cache=prefix")
     setup = build(tiny_federated_config(tiny_workspace, tmp_path / "h", *head))
     along = head_common_mode(setup, np.arange(8))
     rows = setup.trainable.tensors()[0].view(2, -1)  # two classes, a row each

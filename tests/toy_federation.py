@@ -42,3 +42,13 @@ def tiny_federated_config(ws, out, *extra: str):
                  "federation.local_steps=2", "federation.partition.num_clients=4",
                  "federation.partition.alpha=1.0", f"out_dir={out}", *extra]
     return load_config(None, overrides, schema=FederatedConfig)
+
+
+def recompute_features(monkeypatch) -> None:
+    """Make every run in the test recompute its clients' round features instead of remembering them (what a
+    Flower client, which keeps no memory across rounds, does); evaluations keep their memory."""
+    from zofed.data.tasks import PromptClassification
+
+    remember = PromptClassification.remember_body
+    monkeypatch.setattr(PromptClassification, "remember_body",
+                        lambda self, memo, *, in_training=False: remember(self, memo, in_training=False))

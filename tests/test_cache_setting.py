@@ -1,0 +1,64 @@
+"""One caching setting, zo.cache (none | prefix | features): the keys it replaced are refused with a message naming
+it, in a user's config and in a run directory's stored config alike."""
+
+import pytest
+import yaml
+from toy_federation import tiny_federated_config
+
+from zofed.run.config import ConfigError, FinetuneConfig, load_config
+from zofed.run.federated import run_federated
+from zofed.run.federated_config import FederatedConfig
+from zofed.run.setup import load_run
+
+RETIRED = {
+    "zo.prefix_cache=true": "zo.prefix_cache was replaced by zo.cache: prefix",
+    "federation.feature_cache=12": "federation.feature_cache=12 was replaced by zo.cache: features with "
+                                   "federation.cached_examples=12",
+    "train.remember_features=true": "train.remember_features and train.features_dir are gone: .* set "
+                                    "ZOFED_FEATURE_STORE=DIR",
+    "train.features_dir=/tmp/features": "train.remember_features and train.features_dir are gone",
+}
+
+
+@pytest.mark.parametrize("override", sorted(RETIRED))
+def test_a_retired_key_is_refused_naming_what_replaced_it(override):
+    with pytest.raises(ConfigError, match=RETIRED[override]):
+        load_config(None, [override], schema=FederatedConfig)
+    if not override.startswith("federation."):  # centralized runs refuse them too
+        with pytest.raises(ConfigError, match=RETIRED[override]):
+            load_config(None, [override], schema=FinetuneConfig)
+
+
+def test_cached_examples_default_to_one_batch_and_only_go_with_cached_features():
+    plain = load_config(None, ["federation.recipe=none"], schema=FederatedConfig)
+    assert (plain.zo.cache, plain.federation.cached_examples, plain.feature_cache()) == ("none", None, 0)
+    one_batch = load_config(None, ["trainable.mode=none", "trainable.label_head=true", "zo.cache=features",
+                                   "train.batch_size=6"], schema=FederatedConfig)
+    assert one_batch.feature_cache() == 6
+    recipe = load_config(None, [], schema=FederatedConfig)  # the head recipe
+    assert (recipe.zo.cache, recipe.federation.cached_examples, recipe.feature_cache()) == ("features", 8, 8)
+    assert load_config(None, ["zo.cache=prefix", "trainable.mode=none", "trainable.label_head=true"],
+                       schema=FederatedConfig).feature_cache() == 0
+    with pytest.raises(ConfigError, match="federation.cached_examples=4 .* this run has zo.cache: prefix"):
+        load_config(None, ["zo.cache=prefix", "federation.cached_examples=4"], schema=FederatedConfig)
+    with pytest.raises(ConfigError, match="zo.cache"):
+        load_config(None, ["zo.cache=everything"], schema=FederatedConfig)
+
+
+def test_a_run_directory_stored_with_a_retired_key_is_refused_on_resume_and_load(tiny_workspace, tmp_path):
+    """No silent migration: a stored config that names a retired key says what replaced it."""
+    out = tmp_path / "run"
+    config = tiny_federated_config(tiny_workspace, out, "trainable.mode=none", "trainable.label_head=true",
+                                   "zo.cache=prefix", "federation.rounds=1")
+    run_federated(config, show_progress=False)
+    stored = yaml.safe_load((out / "config.yaml").read_text())
+    assert stored["zo"]["cache"] == "prefix"
+    load_run(out)  # the stored config loads back as it is
+    del stored["zo"]["cache"]
+    stored["zo"]["prefix_cache"] = True  # what an earlier zofed wrote
+    (out / "config.yaml").write_text(yaml.safe_dump(stored))
+    with pytest.raises(ConfigError, match="zo.prefix_cache was replaced by zo.cache: prefix"):
+        load_run(out)
+    with pytest.raises(ConfigError, match="zo.prefix_cache was replaced by zo.cache: prefix"):
+        run_federated(config.model_copy(update={"federation": config.federation.model_copy(
+            update={"rounds": 2})}), resume=True, show_progress=False)
