@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from zofed.data.sources import TextDataset
+from zofed.data.dataset import TextDataset
 from zofed.data.task_factory import make_task
 from zofed.data.tasks import TaskConfig
 from zofed.models.registry import load_model

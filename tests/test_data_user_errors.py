@@ -7,7 +7,7 @@ import yaml
 from typer.testing import CliRunner
 
 from zofed.cli import app
-from zofed.data.sources import DataError, TextDataset
+from zofed.data.dataset import DataError, TextDataset
 from zofed.data.task_factory import make_task
 from zofed.data.tasks import TaskConfig
 from zofed.models.tiny import tiny_tokenizer

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from zofed.cli import app
-from zofed.data.sources import TextDataset
+from zofed.data.dataset import TextDataset
 from zofed.data.task_factory import make_task
 from zofed.data.tasks import TaskConfig
 from zofed.models.selection import TrainableConfig, select_trainable

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from zofed.cli import app
 from zofed.data.causal_lm import INSTRUCTION_TEMPLATE
+from zofed.data.dataset import DataError, TextDataset
 from zofed.data.generation import generate_ids, rouge_l
-from zofed.data.sources import DataError, TextDataset
 from zofed.data.task_factory import make_task
 from zofed.data.tasks import TaskConfig
 from zofed.models.selection import TrainableConfig, select_trainable

@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file
 from toy_federation import WORDS, tiny_federated_config
 
-from zofed.data.sources import TextDataset
+from zofed.data.dataset import TextDataset
 from zofed.data.task_factory import make_task
 from zofed.data.tasks import TaskConfig
 from zofed.models.catalog import ModelLoadError

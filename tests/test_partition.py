@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from zofed.data.dataset import TextDataset
 from zofed.data.partition import (
     PartitionConfig,
     PartitionError,
@@ -15,7 +16,6 @@ from zofed.data.partition import (
     plot_partition,
     summarize,
 )
-from zofed.data.sources import TextDataset
 
 
 def make_data(n: int = 400, num_labels: int = 4, seed: int = 0, users: int = 5) -> TextDataset:
@@ -271,8 +271,8 @@ def test_plot_partition_writes_a_png(tmp_path):
 def test_dirichlet_mix_gives_every_client_its_share_with_strong_label_skew():
     """50 clients at alpha 0.1 on two classes: the per-class split leaves clients empty, the per-client label mix
     gives each n/K examples, most of them from one class, and covers every example once."""
+    from zofed.data.dataset import TextDataset
     from zofed.data.partition import PartitionConfig, PartitionError, partition
-    from zofed.data.sources import TextDataset
 
     labels = [i % 2 for i in range(1000)]
     data = TextDataset([{"text": str(i)} for i in range(1000)], labels, ["a", "b"], "toy")

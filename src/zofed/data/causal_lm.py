@@ -14,8 +14,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from zofed.data.dataset import DataError, TextDataset
 from zofed.data.generation import Progress, generate_texts, rouge_l
-from zofed.data.sources import DataError, TextDataset
 from zofed.data.tasks import DEFAULT_TEMPLATE, Batch, Encoded, Task, TaskConfig, check_fields
 from zofed.zo.prefix import PrefixCache
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .sources import DataError, Record, TextDataset, records_to_dataset, resolve_columns
+from .dataset import DataError, TextDataset
+from .sources import Record, records_to_dataset, resolve_columns
 
 
 def load_hub(

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from zofed import streams
 
-from .sources import TextDataset
+from .dataset import TextDataset
 
 if TYPE_CHECKING:
     import datasets

@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from .catalog import BUILTIN_DATASETS
+from .dataset import DataError, TextDataset
 from .hub import FILE_ONLY_OPTIONS, load_hub, parse_hub_source
-from .sources import FORMATS, DataError, TextDataset, load_file
+from .sources import FORMATS, load_file
 
 
 def load_dataset_spec(source: str, **kwargs: Any) -> TextDataset:

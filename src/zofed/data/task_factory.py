@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from zofed.data.causal_lm import CausalLM
-from zofed.data.sources import DataError
+from zofed.data.dataset import DataError
 from zofed.data.tasks import EncoderClassification, PromptClassification, Task, TaskConfig
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from zofed.data.sources import DataError, TextDataset
+from zofed.data.dataset import DataError, TextDataset
 from zofed.models.selection import LABEL_HEAD, label_head_rows, unwrap
 
 if TYPE_CHECKING:

@@ -8,8 +8,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from zofed.data.causal_lm import CausalLM
+from zofed.data.dataset import DataError
 from zofed.data.generation import progress_bar
-from zofed.data.sources import DataError
 from zofed.run.config import ConfigError
 from zofed.run.setup import load_run
 

@@ -19,7 +19,7 @@ from zofed import streams
 from zofed.atomic_files import write_atomic_text
 from zofed.data.body_features import BodyFeatures, fingerprint
 from zofed.data.builtin import BUILTIN_DATASETS, load_builtin, load_shared
-from zofed.data.sources import TextDataset
+from zofed.data.dataset import TextDataset
 from zofed.data.spec import load_dataset_spec
 from zofed.data.task_factory import make_task
 from zofed.data.tasks import Encoded, PromptClassification, Task
