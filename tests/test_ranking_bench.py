@@ -15,21 +15,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import ranking_protocol as protocol  # noqa: E402
 import ranking_report as report  # noqa: E402
 
+from zofed.run.stored_config import flatten  # noqa: E402
+
 P = protocol.protocol()
 # what the runner sets on every row, zofed's included: the lr, the rounds the budget buys, the curve's cadence,
 # the evaluated split, the seed, the output and the body-feature store the simulator reads
 RUNNER_KEYS = {"optimizer.lr", "federation.rounds", "federation.eval_every", "data.evaluate_on", "train.seed",
                "federation.partition.seed", "federation.partition.alpha", "out_dir"}
-
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _run_config(table: str, row: str, tmp_path: Path, phase: str = "tune"):
@@ -55,11 +47,11 @@ def test_zofed_row_is_zofed_run_with_nothing_but_the_shape_and_the_runner_keys(t
     from zofed.run.federated_config import FederatedConfig
 
     for table in P.tables:
-        row = _flat(_run_config(table, "zofed", tmp_path).model_dump())
+        row = flatten(_run_config(table, "zofed", tmp_path).model_dump())
         trainable = P.tables[table].trainable if P.tables[table].rows["zofed"].trainable == "table" else []
         plain = load_config(None, [*protocol.shape_overrides(P), *TASKS["agnews"], "data.source=shared:agnews",
                                    *trainable], schema=FederatedConfig)
-        differ = {k for k, v in _flat(plain.model_dump()).items() if row[k] != v}
+        differ = {k for k, v in flatten(plain.model_dump()).items() if row[k] != v}
         assert differ <= RUNNER_KEYS, (table, differ - RUNNER_KEYS)
         assert "optimizer.lr" in differ and "federation.rounds" in differ  # the runner does set them
     assert _run_config("head", "zofed", tmp_path).federation.recipe == "head"  # `zofed run`'s head recipe
@@ -67,9 +59,9 @@ def test_zofed_row_is_zofed_run_with_nothing_but_the_shape_and_the_runner_keys(t
 
 
 def test_the_head_baselines_differ_from_zofed_only_in_the_method(tmp_path):
-    zofed = _flat(_run_config("head", "zofed", tmp_path).model_dump())
+    zofed = flatten(_run_config("head", "zofed", tmp_path).model_dump())
     for row in ("hiso", "decomfl", "fedkseed"):
-        other = _flat(_run_config("head", row, tmp_path).model_dump())
+        other = flatten(_run_config("head", row, tmp_path).model_dump())
         # pool 64 is the default; the rounds follow from each method's own cost (HiSo's central queries cost more)
         assert {k for k in zofed if zofed[k] != other[k]} <= {"federation.method", "federation.rounds",
                                                                "federation.eval_every"}, row

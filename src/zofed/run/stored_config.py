@@ -67,11 +67,12 @@ RESUMABLE_CHANGES = frozenset({"out_dir", "tensorboard_dir", "train.steps", "fed
                                "federation.client_eval_examples"})
 
 
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config tree as dotted keys (`zo.cache`)."""
     flat: dict[str, Any] = {}
     for key, value in tree.items():
         if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
+            flat.update(flatten(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat
@@ -81,7 +82,7 @@ def _resolved_view(config: FinetuneConfig) -> dict[str, Any]:
     """The config as flat keys, with the estimator and the server optimizer as they will run: an unset field and
     the method default it resolves to are the same run (a stored `relative: false` and a new unset one both mean
     sgd's absolute steps)."""
-    flat = _flatten(config.model_dump(mode="json"))
+    flat = flatten(config.model_dump(mode="json"))
     method = config.federation.method if isinstance(config, FederatedConfig) else None
     flat["zo.estimator"] = config.zo.resolved_estimator(method)
     if isinstance(config, FederatedConfig):
