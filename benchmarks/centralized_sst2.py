@@ -50,7 +50,7 @@ def main() -> None:
     if zero_shot_file.is_file():
         zero_shot = json.loads(zero_shot_file.read_text())
     else:
-        zero_shot = setup.task.evaluate(setup.model, setup.test, config.train.eval_batch_size)
+        zero_shot = setup.task.evaluate(setup.model, setup.test, config.train.eval_batch_size, body=setup.body)
         Path(config.out_dir).mkdir(parents=True, exist_ok=True)
         write_atomic_text(zero_shot_file, json.dumps(zero_shot))
     print(f"zero-shot test accuracy {zero_shot['accuracy']:.4f} on {len(setup.test)} examples", flush=True)

@@ -70,12 +70,11 @@ def paired_seconds(fn: Callable[[], object], unit: Callable[[], object], repeats
 
 
 def build(trainable: TrainableConfig, batch_size: int, seq_len: int):
-    """A fresh model (LoRA wraps it in place) with its label head and trainable selection, the task and one batch
-    of real tweets, every row exactly `seq_len` tokens."""
+    """A fresh model (LoRA wraps it in place) with its trainable selection (the label head when `trainable` asks for
+    it), the task and one batch of real tweets, every row exactly `seq_len` tokens."""
     loaded = load_model(MODEL, kind="causal-lm")
     task = make_task(TaskConfig(verbalizer=LABELS, max_length=seq_len), loaded.tokenizer, len(LABELS))
-    task.attach_label_head(loaded.model)
-    model, params = select_trainable(loaded.model, trainable)
+    model, params = select_trainable(loaded.model, trainable, task.label_token_ids)
     model.eval()
     train, _ = load_builtin("tweets")
     stream = loaded.tokenizer(" ".join(f["text"] for f in train.fields[:2000]), add_special_tokens=False)["input_ids"]

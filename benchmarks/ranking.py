@@ -88,8 +88,8 @@ def warm_features(pending: list[tuple], threads: int) -> None:
         for name, data, order in [("evaluated split", setup.test, by_length(setup.test)),
                                   ("clients' examples", setup.train, by_length(setup.train, clients))]:
             for start in range(0, len(order), WARM_CHUNK):
-                setup.task.remembered_features(data, order[start:start + WARM_CHUNK])
-                setup.task.save_remembered()  # a chunk at a time: an interrupted warm-up keeps what it ran
+                setup.task.last_features(setup.body.cache, data, order[start:start + WARM_CHUNK], body=setup.body)
+                setup.save_remembered()  # a chunk at a time: an interrupted warm-up keeps what it ran
                 print(f"features of {dataset} seed {seed} ({phase}): {name} "
                       f"{min(start + WARM_CHUNK, len(order))}/{len(order)}", flush=True)
 
@@ -104,8 +104,8 @@ def zero_shot(phase: str, table: str, row: str, dataset: str, alpha: float, seed
     config = run_config(phase, table, row, dataset, alpha, seed, lr, run_dir(phase, table, row, dataset, alpha,
                                                                             seed, lr))
     setup = build(config)
-    test = setup.task.evaluate(setup.model, setup.test, config.train.eval_batch_size)
-    setup.task.save_remembered()
+    test = setup.task.evaluate(setup.model, setup.test, config.train.eval_batch_size, body=setup.body)
+    setup.save_remembered()
     return {**_identity(phase, table, row, dataset, alpha, seed, lr), "rounds": 0, "forward_passes": 0.0,
             "forward_passes_per_client_round": 0.0, "final_accuracy": round(test["accuracy"], 4),
             "test_examples": len(setup.test), "trainable_parameters": setup.trainable.numel(),

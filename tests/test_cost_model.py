@@ -63,8 +63,8 @@ def test_a_first_order_step_is_a_forward_and_a_backward_through_what_trains():
 def test_the_label_head_s_share_is_its_multiply_adds_at_one_position():
     ctx = toy_context()
     assert head_fraction(ctx.model, 2) == pytest.approx(TINY_HEAD)
-    ctx.task.attach_label_head(ctx.model)
-    model, trainable = select_trainable(ctx.model, TrainableConfig(mode="none", label_head=True))
+    model, trainable = select_trainable(ctx.model, TrainableConfig(mode="none", label_head=True),
+                                        ctx.task.label_token_ids)
     # every block frozen: back-propagation runs the final norm and the label rows alone
     assert backward_fraction(model, trainable.names, output_layer=False, num_classes=2) == pytest.approx(TINY_HEAD)
     deeper = tiny_causal_lm(num_layers=30).model
@@ -91,8 +91,8 @@ def test_steps_on_cached_features_cost_their_head_for_zo_and_first_order_alike()
 
 def test_a_first_order_client_steps_the_head_on_the_round_s_cached_features():
     ctx = toy_context()
-    ctx.task.attach_label_head(ctx.model)
-    model, trainable = select_trainable(ctx.model, TrainableConfig(mode="none", label_head=True))
+    model, trainable = select_trainable(ctx.model, TrainableConfig(mode="none", label_head=True),
+                                        ctx.task.label_token_ids)
     ctx = ClientContext(model, trainable, ctx.task, ctx.train)
     cache = PrefixCache(model, first_trainable_layer(model, trainable.names))
     local = LocalTraining("fedavg", run_seed=3, round_id=0, local_steps=30, lr=0.05, eps=1e-3, batch_size=8,

@@ -3,6 +3,7 @@ a round and steps its label head on their last hidden states; the in-process sim
 row across rounds and runs (ZOFED_FEATURE_STORE), which changes no bit of a run."""
 
 import json
+from functools import partial
 
 import numpy as np
 import pytest
@@ -23,8 +24,8 @@ HEAD = ("trainable.mode=none", "trainable.label_head=true", "zo.cache=features")
 
 def _head_context():
     ctx = toy_context()
-    ctx.task.attach_label_head(ctx.model)
-    model, trainable = select_trainable(ctx.model, TrainableConfig(mode="none", label_head=True))
+    model, trainable = select_trainable(ctx.model, TrainableConfig(mode="none", label_head=True),
+                                        ctx.task.label_token_ids)
     with torch.no_grad():  # a head away from the zero-shot rows, so the loss reads it
         trainable.tensors()[0].add_(0.3 * torch.randn_like(trainable.tensors()[0]))
     return ctx, model, trainable
@@ -59,9 +60,9 @@ def test_a_step_s_feature_loss_reads_the_weights_of_each_call_a_trainable_final_
     """A step's loss function keeps its normed features between queries only while the norm stays bit for bit
     the same: moving the head or the norm in place (as the ZO engine does) must show in the next reading."""
     ctx = toy_context()
-    ctx.task.attach_label_head(ctx.model)
     model, trainable = select_trainable(ctx.model, TrainableConfig(mode="patterns", patterns=[r"^model\.norm\."],
-                                                                   label_head=True))
+                                                                   label_head=True),
+                                        ctx.task.label_token_ids)
     cache = PrefixCache(model, first_trainable_layer(model, trainable.names))
     rows = np.arange(3, 11)
     features = ctx.task.last_features(cache, ctx.train, rows)
@@ -120,19 +121,18 @@ def test_evaluating_a_frozen_body_runs_each_example_through_it_once_per_run():
     rows, more = np.arange(0, 24), np.arange(16, 40)
     full = ctx.task.evaluate(model, ctx.train, 8, rows)
     assert sum(seen) == 24
-    ctx.task.remember_body(BodyFeatures(cache))
-    remembered = ctx.task.evaluate(model, ctx.train, 8, rows)
+    memo = BodyFeatures(cache)
+    remembered = ctx.task.evaluate(model, ctx.train, 8, rows, body=memo)
     assert remembered["accuracy"] == full["accuracy"]
     assert remembered["loss"] == pytest.approx(full["loss"], abs=1e-5)
     assert sum(seen) == 24 + _distinct(ctx, rows)  # an example repeated word for word runs once
-    ctx.task.evaluate(model, ctx.train, 8, more)  # only the examples not seen before run the blocks
+    ctx.task.evaluate(model, ctx.train, 8, more, body=memo)  # only the examples not seen before run the blocks
     known = 24 + _distinct(ctx, rows, more)
     assert sum(seen) == known
     with torch.no_grad():  # a new head is read from the remembered features at once
         trainable.tensors()[0].mul_(-1)
-    moved = ctx.task.evaluate(model, ctx.train, 8, rows)
+    moved = ctx.task.evaluate(model, ctx.train, 8, rows, body=memo)
     assert sum(seen) == known
-    ctx.task.remember_body(None)
     fresh = ctx.task.evaluate(model, ctx.train, 8, rows)
     assert abs(fresh["loss"] - full["loss"]) > 1e-3
     assert moved["accuracy"] == fresh["accuracy"]
@@ -162,18 +162,21 @@ def test_remembered_body_features_give_the_full_forward_losses_and_run_each_exam
     full = [ctx.task.loss(model, ctx.task.collate(ctx.train, r), shift) for r in (rows, overlapping)]
     seen = _blocks_seen(model)
     whole = PrefixCache(model, first_trainable_layer(model, trainable.names))
-    ctx.task.remember_body(BodyFeatures(whole), in_training=True)
-    assert ctx.task.loss(model, ctx.task.collate(ctx.train, rows), shift) == pytest.approx(full[0], abs=1e-5)
+    memo = BodyFeatures(whole)
+
+    def remembered(r: np.ndarray) -> float:
+        return ctx.task.cached_loss(model, whole, ctx.task.collate(ctx.train, r), shift, body=memo)()
+
+    assert remembered(rows) == pytest.approx(full[0], abs=1e-5)
     assert sum(seen) == _distinct(ctx, rows)
-    assert ctx.task.loss(model, ctx.task.collate(ctx.train, rows), shift) == pytest.approx(full[0], abs=1e-5)
-    assert ctx.task.loss(model, ctx.task.collate(ctx.train, overlapping), shift) == pytest.approx(full[1], abs=1e-5)
+    assert remembered(rows) == pytest.approx(full[0], abs=1e-5)
+    assert remembered(overlapping) == pytest.approx(full[1], abs=1e-5)
     assert sum(seen) == _distinct(ctx, rows, overlapping)  # only the examples not seen before ran the body
-    cached = ctx.task.cached_loss(model, whole, ctx.task.collate(ctx.train, rows), shift)
-    features = ctx.task.last_features(whole, ctx.train, overlapping)
+    cached = ctx.task.cached_loss(model, whole, ctx.task.collate(ctx.train, rows), shift, body=memo)
+    features = ctx.task.last_features(whole, ctx.train, overlapping, body=memo)
     assert sum(seen) == _distinct(ctx, rows, overlapping)
     with torch.no_grad():  # the head is read afresh from the remembered rows
         trainable.tensors()[0].mul_(-1)
-    ctx.task.remember_body(None)
     moved = ctx.task.loss(model, ctx.task.collate(ctx.train, rows), shift)
     assert abs(moved - full[0]) > 1e-3
     assert cached() == pytest.approx(moved, abs=1e-5)
@@ -188,8 +191,7 @@ def test_a_features_store_is_shared_by_runs_of_the_same_body_only(tmp_path):
     mark = fingerprint(model, trainable.names)
     first, second = BodyFeatures(whole, tmp_path, mark), BodyFeatures(whole, tmp_path, mark)
     ids = ctx.train.input_ids
-    ctx.task.remember_body(first)  # the task's own row computation (each example alone), for either memo
-    run = ctx.task._remembered_alone
+    run = partial(ctx.task._features_alone, whole)  # the task's own row computation (each example alone)
     a = first.lookup([ids[i] for i in range(10)], run)
     second.lookup([ids[i] for i in range(5, 20)], run)
     first.save()

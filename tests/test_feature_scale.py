@@ -3,7 +3,7 @@
 import torch
 from toy_federation import tiny_federated_config
 
-from zofed.models.selection import LABEL_HEAD, TrainableConfig, select_trainable
+from zofed.models.selection import TrainableConfig, select_trainable
 from zofed.models.tiny import tiny_causal_lm
 from zofed.run.federated import run_federated
 from zofed.zo.feature_scale import CLIP, combine, feature_noise_scales
@@ -57,9 +57,8 @@ def test_a_label_head_is_shaped_by_the_last_hidden_state_it_reads():
     model = tiny_causal_lm(num_layers=2).model
     with torch.no_grad():
         model.get_input_embeddings().weight[:, MASSIVE] *= 30
-    rows = model.get_output_embeddings().weight[:3].detach().clone()  # three label words' rows, as a task copies them
-    model.register_parameter(LABEL_HEAD, torch.nn.Parameter(rows, requires_grad=False))
-    model, trainable = select_trainable(model, TrainableConfig(mode="none", label_head=True))
+    # a head on three label words' rows
+    model, trainable = select_trainable(model, TrainableConfig(mode="none", label_head=True), [0, 1, 2])
     (head,) = feature_noise_scales(model, trainable.names, trainable.params)
     assert head.shape == (3 * 32,) and abs(float(head.pow(2).mean()) - 1) < 1e-5
     columns = head.view(3, 32)

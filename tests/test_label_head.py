@@ -20,10 +20,8 @@ from zofed.zo.step import zo_step
 def _toy(mode="none", label_head=True, patterns=()):
     tiny = tiny_causal_lm(seed=0, num_layers=3)
     task = make_task(TaskConfig(template="{text} sentiment :", verbalizer=["negative", "positive"]), tiny.tokenizer, 2)
-    if label_head:
-        task.attach_label_head(tiny.model)
     model, trainable = select_trainable(tiny.model, TrainableConfig(mode=mode, patterns=list(patterns),
-                                                                    label_head=label_head))
+                                                                    label_head=label_head), task.label_token_ids)
     rng = np.random.default_rng(0)
     labels = rng.integers(0, 2, size=32)
     texts = [f"the movie was {WORDS[2 * (1 - y) + int(rng.integers(2))]} " + "w1 " * int(rng.integers(0, 4))
@@ -125,9 +123,8 @@ def test_a_per_class_head_is_one_block_a_class_with_the_same_logits(tiny_workspa
 
     _, one_model, _, task, batch = _toy()
     tiny = tiny_causal_lm(seed=0, num_layers=3)
-    task.attach_label_head(tiny.model, per_class=True)
     model, trainable = select_trainable(tiny.model, TrainableConfig(mode="none", label_head=True,
-                                                                    label_head_per_class=True))
+                                                                    label_head_per_class=True), task.label_token_ids)
     assert trainable.names == [f"{LABEL_HEAD}.0", f"{LABEL_HEAD}.1"]
     assert [p.shape for p in trainable.params] == [(model.config.hidden_size,)] * 2
     assert torch.equal(task.logits(model, batch), task.logits(one_model, batch))  # both start at zero-shot

@@ -23,25 +23,23 @@ def _ragged_head_task():
     """The toy task with its label head trainable and every block frozen, on examples of many lengths (so that
     batches pad)."""
     ctx = toy_context()
-    ctx.task.attach_label_head(ctx.model)
-    model, trainable = select_trainable(ctx.model, TrainableConfig(mode="none", label_head=True))
+    model, trainable = select_trainable(ctx.model, TrainableConfig(mode="none", label_head=True),
+                                        ctx.task.label_token_ids)
     whole = PrefixCache(model, first_trainable_layer(model, trainable.names))
     ragged = Encoded([ids[i % 5:] for i, ids in enumerate(ctx.train.input_ids)], ctx.train.labels)
     return ctx.task, whole, ragged
 
 
 def _alone(task, whole, data, i) -> torch.Tensor:
-    task.remember_body(BodyFeatures(whole), in_training=True)
-    return task.remembered_features(data, [i])[0]
+    return task.last_features(whole, data, [i], body=BodyFeatures(whole))[0]
 
 
 def test_a_remembered_row_is_the_row_its_example_gives_alone_bit_for_bit():
     task, whole, data = _ragged_head_task()
     assert len({len(data.input_ids[i]) for i in ROWS}) >= 4  # the batches below pad
-    task.remember_body(BodyFeatures(whole), in_training=True)
-    evaluated = task.remembered_features(data, ROWS)  # an evaluation's path: many examples at once
-    task.remember_body(BodyFeatures(whole), in_training=True)
-    trained = torch.cat([task._batch_features(task.collate(data, ROWS[k:k + 8])) for k in range(0, len(ROWS), 8)])
+    evaluated = task.last_features(whole, data, ROWS, body=BodyFeatures(whole))  # an evaluation's path: many at once
+    memo = BodyFeatures(whole)
+    trained = torch.cat([task._batch_rows(memo, task.collate(data, ROWS[k:k + 8])) for k in range(0, len(ROWS), 8)])
     alone = torch.stack([_alone(task, whole, data, i) for i in ROWS])
     assert torch.equal(evaluated, alone)
     assert torch.equal(trained, alone)  # a training loss's path: the padded batch a client draws

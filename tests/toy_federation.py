@@ -45,10 +45,11 @@ def tiny_federated_config(ws, out, *extra: str):
 
 
 def recompute_features(monkeypatch) -> None:
-    """Make every run in the test recompute its clients' round features instead of remembering them (what a
-    Flower client, which keeps no memory across rounds, does); evaluations keep their memory."""
-    from zofed.data.tasks import PromptClassification
+    """Make every simulated run in the test recompute its clients' round features instead of remembering them
+    (its clients get no memo); evaluations keep their memory."""
+    from dataclasses import replace
 
-    remember = PromptClassification.remember_body
-    monkeypatch.setattr(PromptClassification, "remember_body",
-                        lambda self, memo, *, in_training=False: remember(self, memo, in_training=False))
+    from zofed.run.federated import FederatedRun
+
+    context = FederatedRun.client_context
+    monkeypatch.setattr(FederatedRun, "client_context", lambda self: replace(context(self), body=None))

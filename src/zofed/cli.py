@@ -270,7 +270,7 @@ def evaluate(
     except _user_errors() as err:
         _fail(str(err))
     indices = list(range(min(examples, len(setup.test)))) if examples else None
-    result = setup.task.evaluate(setup.model, setup.test, setup.config.train.eval_batch_size, indices)
+    result = setup.task.evaluate(setup.model, setup.test, setup.config.train.eval_batch_size, indices, body=setup.body)
     n = len(indices) if indices is not None else len(setup.test)
     write_atomic_text(run_dir / "eval.json", json.dumps({"test": result, "test_examples": n}, indent=2))
     console.print(" ".join(f"{k}={v:.4f}" for k, v in result.items()) + f" on {n} test examples")

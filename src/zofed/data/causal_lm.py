@@ -8,7 +8,7 @@ The loss is the mean next-token loss over the response tokens (and the end-of-se
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
@@ -16,8 +16,11 @@ import torch.nn.functional as F
 
 from zofed.data.dataset import DataError, TextDataset
 from zofed.data.generation import Progress, generate_texts, rouge_l
-from zofed.data.tasks import DEFAULT_TEMPLATE, Batch, Encoded, Task, TaskConfig, check_fields
+from zofed.data.tasks import DEFAULT_TEMPLATE, Batch, Encoded, Task, TaskConfig, check_fields, refuse_body
 from zofed.zo.prefix import PrefixCache
+
+if TYPE_CHECKING:
+    from zofed.data.body_features import BodyFeatures
 
 INSTRUCTION_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{context}\n\n### Response:\n"
 
@@ -116,9 +119,10 @@ class CausalLM(Task):
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch.labels[:, 1:].flatten(), ignore_index=-100)
 
     def cached_loss(self, model: torch.nn.Module, cache: PrefixCache, batch: Batch,
-                    shift: torch.Tensor | None = None) -> Callable[[], float]:
+                    shift: torch.Tensor | None = None, *, body: BodyFeatures | None = None) -> Callable[[], float]:
         """The batch's response loss as a function of the trainable top blocks only: the frozen bottom runs once,
         here, and each call runs the blocks from the cache's split up, the final norm and the output layer."""
+        refuse_body(body, self.config.type)
         if shift is not None:
             raise ValueError("a logit shift (federation.logit_adjust) needs a classification task, not causal-lm")
         head = cache.output_layer
@@ -136,10 +140,12 @@ class CausalLM(Task):
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, data: Encoded, batch_size: int = 16,
-                 indices=None, max_new_tokens: int | None = None) -> dict[str, float]:
+                 indices=None, max_new_tokens: int | None = None, *,
+                 body: BodyFeatures | None = None) -> dict[str, float]:
         """The mean response-token loss over `indices` (all examples by default) and, with task.generate_eval > 0,
         the mean ROUGE-L of greedy generations (at most `max_new_tokens`, default task.max_new_tokens, new
         tokens) for the first generate_eval of them."""
+        refuse_body(body, self.config.type)
         order = np.arange(len(data)) if indices is None else np.asarray(indices)
         total, count = 0.0, 0
         for start in range(0, len(order), batch_size):
@@ -155,9 +161,9 @@ class CausalLM(Task):
         return result
 
     def evaluate_during_training(self, model: torch.nn.Module, data: Encoded, batch_size: int,
-                                 indices) -> dict[str, float]:
+                                 indices, *, body: BodyFeatures | None = None) -> dict[str, float]:
         """A learning-curve point: answers at most task.curve_max_new_tokens long (unset: max_new_tokens)."""
-        return self.evaluate(model, data, batch_size, indices, self.config.curve_max_new_tokens)
+        return self.evaluate(model, data, batch_size, indices, self.config.curve_max_new_tokens, body=body)
 
     def generate(self, model: torch.nn.Module, prompts: list[list[int]], batch_size: int = 16,
                  progress: Progress | None = None, max_new_tokens: int | None = None) -> list[str]:

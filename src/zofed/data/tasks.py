@@ -6,7 +6,9 @@
 - `encoder-classification`: an encoder with a classification head (e.g. MiniLM).
 - `causal-lm`: instruction data (zofed.data.causal_lm).
 
-`make_task` (task_factory.py) builds the one a config names.
+`make_task` (task_factory.py) builds the one a config names. A task reads models and never changes them: the
+label head it may read is attached by the trainable selection (models/selection.py). Where a frozen body's
+remembered features stand in for running it (data/body_features.py), the caller passes the memo (`body=`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import re
 import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -25,7 +28,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from zofed.data.dataset import DataError, TextDataset
-from zofed.models.selection import LABEL_HEAD, label_head_rows, unwrap
+from zofed.models.selection import label_head_rows, unwrap
 
 if TYPE_CHECKING:
     from zofed.data.body_features import BodyFeatures
@@ -141,6 +144,12 @@ def shifted(logits: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:
     return logits if shift is None else logits + shift.to(logits)
 
 
+def refuse_body(body: BodyFeatures | None, task_type: str) -> None:
+    """Remembered body features feed a prompt classifier's label head; any other task is handed none."""
+    if body is not None:
+        raise ValueError(f"remembered body features are read by prompt-classification tasks, not {task_type}")
+
+
 class Task:
     """Common batching and evaluation; subclasses define encoding and the per-batch logits/loss."""
 
@@ -199,7 +208,7 @@ class Task:
         raise NotImplementedError
 
     def cached_loss(self, model: torch.nn.Module, cache: PrefixCache, batch: Batch,
-                    shift: torch.Tensor | None = None) -> Callable[[], float]:
+                    shift: torch.Tensor | None = None, *, body: BodyFeatures | None = None) -> Callable[[], float]:
         raise ValueError(f"zo.cache: prefix works with prompt-classification and causal-lm tasks, not "
                          f"{self.config.type}")
 
@@ -214,8 +223,10 @@ class Task:
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, data: Encoded, batch_size: int = 32,
-                 indices=None) -> dict[str, float]:
-        """Accuracy and mean loss over `indices` (all examples by default)."""
+                 indices=None, *, body: BodyFeatures | None = None) -> dict[str, float]:
+        """Accuracy and mean loss over `indices` (all examples by default); `body`: remembered features to read
+        instead of running the frozen body (prompt-classification only)."""
+        refuse_body(body, self.config.type)
         order = by_length(data, indices)
         correct, loss_sum = 0, 0.0
         for start in range(0, len(order), batch_size):
@@ -227,12 +238,9 @@ class Task:
         return {"accuracy": correct / n, "loss": loss_sum / n}
 
     def evaluate_during_training(self, model: torch.nn.Module, data: Encoded, batch_size: int,
-                                 indices) -> dict[str, float]:
+                                 indices, *, body: BodyFeatures | None = None) -> dict[str, float]:
         """A learning-curve point on the watched examples `indices`: the same measures as the final test."""
-        return self.evaluate(model, data, batch_size, indices)
-
-    def save_remembered(self) -> None:
-        """Write what the task remembered across runs (prompt classification's body features); nothing here."""
+        return self.evaluate(model, data, batch_size, indices, body=body)
 
 
 def by_length(data: Encoded, indices=None) -> np.ndarray:
@@ -284,31 +292,20 @@ class PromptClassification(Task):
             raise DataError(f"task.verbalizer words {empty} encode to no token; pick real words")
         self.label_token_ids = torch.tensor([i[0] for i in ids])
         self.num_classes = num_classes
-        self.remember_body(None)
         if len(set(self.label_token_ids.tolist())) != num_classes:
             where = "the label names (task.verbalizer is unset)" if defaulted else "task.verbalizer words"
             raise DataError(f"{where} {self.verbalizer} share their first token, so the model could not tell their "
                             f"classes apart; pick words that start differently: {verbalizer_option(self.verbalizer)}")
 
-    def remember_body(self, memo: BodyFeatures | None, *, in_training: bool = False) -> None:
-        """Evaluate from `memo`'s remembered body features (every block frozen): each example runs through the model
-        once per run, and afterwards only the final norm and the head read its remembered row. `in_training` reads
-        every training loss off it too (zo.cache: features). None: full forward passes."""
-        self._body = memo
-        self._body_in_training = memo is not None and in_training
+    def _rows(self, body: BodyFeatures, ids: Sequence[Sequence[int]]) -> torch.Tensor:
+        """The body features of the examples `ids` (token ids each) from `body`, running only those it has not
+        seen (each alone)."""
+        return body.lookup(ids, partial(self._features_alone, body.cache))
 
-    def remembered_features(self, data: Encoded, order: np.ndarray) -> torch.Tensor:
-        """The body features of `data`'s examples `order`, running only those not seen before (each alone)."""
-        return self._body.lookup([data.input_ids[i] for i in np.asarray(order)], self._remembered_alone)
-
-    def _batch_features(self, batch: Batch) -> torch.Tensor:
-        """The body features of a batch's rows, running only the rows not seen before."""
+    def _batch_rows(self, body: BodyFeatures, batch: Batch) -> torch.Tensor:
+        """The body features of a batch's rows from `body`, running only the rows not seen before."""
         lengths = batch.attention_mask.sum(1).tolist()
-        ids = [row[:n] for row, n in zip(batch.input_ids.tolist(), lengths, strict=True)]
-        return self._body.lookup(ids, self._remembered_alone)
-
-    def _remembered_alone(self, ids: Sequence[int]) -> torch.Tensor:
-        return self._features_alone(self._body.cache, ids)
+        return self._rows(body, [row[:n] for row, n in zip(batch.input_ids.tolist(), lengths, strict=True)])
 
     def _features_alone(self, cache: PrefixCache, ids: Sequence[int]) -> torch.Tensor:
         """One example's body features (hidden), run alone with no padding: the only way features are computed,
@@ -321,49 +318,31 @@ class PromptClassification(Task):
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, data: Encoded, batch_size: int = 32,
-                 indices=None) -> dict[str, float]:
-        if self._body is None:
+                 indices=None, *, body: BodyFeatures | None = None) -> dict[str, float]:
+        """Accuracy and mean loss over `indices`; with `body` (every block frozen) each example runs through the
+        body once per memo, and afterwards only the final norm and the head read its remembered row."""
+        if body is None:
             return super().evaluate(model, data, batch_size, indices)
         order = by_length(data, indices)
         if not order.size:
             return {"accuracy": 0.0, "loss": 0.0}
-        logits = self.feature_logits(model, self._body.cache, self.remembered_features(data, order))
+        logits = self.feature_logits(model, body.cache, self.last_features(body.cache, data, order, body=body))
         labels = torch.as_tensor(data.labels[order], device=logits.device)
         return {"accuracy": int((logits.argmax(-1) == labels).sum()) / order.size,
                 "loss": float(F.cross_entropy(logits, labels, reduction="sum")) / order.size}
 
-    def save_remembered(self) -> None:
-        """Write the remembered body features to their store, when the run keeps one (ZOFED_FEATURE_STORE)."""
-        if self._body is not None:
-            self._body.save()
-
-    def attach_label_head(self, model: torch.nn.Module, per_class: bool = False) -> None:
-        """Give the model its own copy of the label words' output rows (classes x hidden), which the logits then
-        read instead of the output embedding: a trainable head that starts as the zero-shot classifier. The copy
-        leaves a tied input embedding alone, and it is tiny (classes x 576 values on SmolLM2), so ZO moves it fast.
-        `per_class` makes each class's row a tensor of its own (`label_head.0`, ...)."""
-        lm = unwrap(model)
-        weight = lm.get_output_embeddings().weight
-        rows = weight[self.label_token_ids.to(weight.device)].detach().clone().float()
-        if per_class:
-            lm.register_module(LABEL_HEAD, torch.nn.ParameterList(
-                [torch.nn.Parameter(row.contiguous(), requires_grad=False) for row in rows]))
-        else:
-            lm.register_parameter(LABEL_HEAD, torch.nn.Parameter(rows.contiguous(), requires_grad=False))
-
     def logits(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-        if self._body_in_training:
-            return self.feature_logits(model, self._body.cache, self._batch_features(batch))
         lm = unwrap(model)
         backbone = getattr(lm, lm.base_model_prefix)
         hidden = backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
         return self.logits_from_hidden(model, hidden, batch)
 
     def cached_loss(self, model: torch.nn.Module, cache: PrefixCache, batch: Batch,
-                    shift: torch.Tensor | None = None) -> Callable[[], float]:
-        """The batch's loss as a function of the trainable top blocks only: the frozen bottom runs once, here."""
-        if self._body_in_training:  # every block frozen: the body's output is remembered, not rerun
-            return self.feature_loss_fn(model, cache, self._batch_features(batch), batch.labels, shift)
+                    shift: torch.Tensor | None = None, *, body: BodyFeatures | None = None) -> Callable[[], float]:
+        """The batch's loss as a function of the trainable top blocks only: the frozen bottom runs once, here, or
+        not at all when `body` (every block frozen) remembers its rows."""
+        if body is not None:
+            return self.feature_loss_fn(model, cache, self._batch_rows(body, batch), batch.labels, shift)
         prefix = cache.capture(batch.input_ids, batch.attention_mask)
 
         @torch.no_grad()
@@ -374,17 +353,19 @@ class PromptClassification(Task):
         return loss
 
     @torch.no_grad()
-    def last_features(self, cache: PrefixCache, data: Encoded, indices: np.ndarray) -> torch.Tensor:
+    def last_features(self, cache: PrefixCache, data: Encoded, indices: np.ndarray, *,
+                      body: BodyFeatures | None = None) -> torch.Tensor:
         """What the final norm receives at each example's last position (examples x hidden), for a model whose
         blocks are all frozen (`cache` splits at the final norm): the only input the label logits read, so a client
         computes it once and takes as many steps on it as it likes (zo.cache: features). Each example runs alone,
-        whether the simulator remembers it or not: the two give the same bits."""
+        whether `body` remembers it or not: the two give the same bits."""
         if cache.start != len(cache.layers):
             raise ValueError(f"cached features need every block frozen; the trainable tensors start at block "
                              f"{cache.start} of {len(cache.layers)}")
-        if self._body_in_training:
-            return self.remembered_features(data, indices)
-        return torch.stack([self._features_alone(cache, data.input_ids[i]) for i in np.asarray(indices)])
+        ids = [data.input_ids[i] for i in np.asarray(indices)]
+        if body is not None:
+            return self._rows(body, ids)
+        return torch.stack([self._features_alone(cache, row) for row in ids])
 
     @torch.no_grad()
     def _capture_last(self, cache: PrefixCache, batch: Batch) -> torch.Tensor:

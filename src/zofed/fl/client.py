@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from zofed import streams
+from zofed.data.body_features import BodyFeatures
 from zofed.data.tasks import Encoded, Task, label_shift, shifted
 from zofed.fl.plan import LocalTraining
 from zofed.fl.protocol import ClientUpdate
@@ -33,6 +34,9 @@ class ClientContext:
     trainable: TrainableParams
     task: Task
     train: Encoded
+    # the frozen body's remembered features (zo.cache: features): a client's round features are read from them
+    # instead of rerun, which changes no bit (each row is computed alone either way); None: rerun each round
+    body: BodyFeatures | None = None
 
 
 def load_tensors_(tensors: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
@@ -122,7 +126,7 @@ def round_features(ctx: ClientContext, local: LocalTraining, client_id: int, ind
                          "the prefix cached")
     rng = streams.round_features(local.run_seed, local.round_id, client_id)
     chosen = np.sort(rng.choice(indices, size=min(local.feature_cache, len(indices)), replace=False))
-    features = ctx.task.last_features(cache, ctx.train, chosen)
+    features = ctx.task.last_features(cache, ctx.train, chosen, body=ctx.body)
     return RoundFeatures(features, torch.as_tensor(ctx.train.labels[chosen], device=features.device))
 
 
@@ -148,7 +152,7 @@ def run_zo_client(ctx: ClientContext, start: Sequence[torch.Tensor], client_id: 
             loss = features.step_loss(ctx, local, client_id, t, cache, shift)
         else:
             batch = local_batch(ctx, local, client_id, indices, t)
-            loss = (ctx.task.cached_loss(ctx.model, cache, batch, shift) if cache is not None
+            loss = (ctx.task.cached_loss(ctx.model, cache, batch, shift, body=ctx.body) if cache is not None
                     else lambda b=batch: ctx.task.loss(ctx.model, b, shift))
         state, record = zo_step(tensors, loss, optimizer, state, seed=seed, eps=local.eps, lr=local.lr,
                                 queries=local.queries, perturbation=pert, clean=clean, estimator=local.estimator,

@@ -44,7 +44,7 @@ def client_worker(text: str) -> ClientWorker:
     config = parse_config_text(text)
     setup = build(config)
     splits = client_splits(setup.train_data, config.federation.partition)
-    ctx = ClientContext(setup.model, setup.trainable, setup.task, setup.train)
+    ctx = ClientContext(setup.model, setup.trainable, setup.task, setup.train, setup.train_body)
     role = make_client_role(config, ctx, len(splits), setup.label_names)
     return ClientWorker(role, [s.train for s in splits])
 

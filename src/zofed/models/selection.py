@@ -2,14 +2,16 @@
 
 Modes: every parameter, LoRA adapters (via peft), parameters whose names match regular expressions, or
 a magnitude mask (a fixed fraction of each selected tensor's coordinates), or none. Any mode may add the label head
-(`label_head`): a prompt-classification task's own copy of the verbalizer's output rows (data/tasks.py), the
-smallest set that moves a classifier's decision. The ZO path never needs autograd, so every parameter is set
-to `requires_grad=False` and the selection is kept as our own list.
+(`label_head`): a copy of the verbalizer's output rows, attached here as the model's own parameter, which a
+prompt-classification task's logits then read (data/tasks.py); the smallest set that moves a classifier's
+decision. This module is the only one that adds tensors to a model. The ZO path never needs autograd, so every
+parameter is set to `requires_grad=False` and the selection is kept as our own list.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -21,7 +23,7 @@ from zofed.models.catalog import ModelLoadError
 from zofed.zo.optim import magnitude_masks
 
 SelectionMode = Literal["all", "lora", "patterns", "magnitude", "none"]
-LABEL_HEAD = "label_head"  # the parameter a prompt-classification task attaches to the model (data/tasks.py)
+LABEL_HEAD = "label_head"  # the parameter `attach_label_head` adds to the model
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -38,11 +40,29 @@ def label_head_owner(name: str) -> str | None:
 
 def label_head_rows(model: torch.nn.Module) -> torch.Tensor | None:
     """The label head as one (classes, hidden) tensor, whether it is one parameter or one per class; None without one
-    (`model` is the unwrapped language model the task attached it to)."""
+    (`model` is the unwrapped language model `attach_label_head` gave it to)."""
     head = getattr(model, LABEL_HEAD, None)
     if isinstance(head, torch.nn.ParameterList):
         return torch.stack(list(head))
     return head
+
+
+def attach_label_head(model: torch.nn.Module, label_token_ids: Sequence[int] | torch.Tensor,
+                      per_class: bool = False) -> None:
+    """Give the model its own copy of the label words' output rows (classes x hidden), which a prompt classifier's
+    logits then read instead of the output embedding: a trainable head that starts as the zero-shot classifier.
+    The copy leaves a tied input embedding alone, and it is tiny (classes x 576 values on SmolLM2), so ZO moves it
+    fast. `per_class` makes each class's row a tensor of its own (`label_head.0`, ...)."""
+    lm = unwrap(model)
+    if hasattr(lm, LABEL_HEAD):
+        raise ValueError("the model already has a label head")
+    weight = lm.get_output_embeddings().weight
+    rows = weight[torch.as_tensor(label_token_ids).to(weight.device)].detach().clone().float()
+    if per_class:
+        lm.register_module(LABEL_HEAD, torch.nn.ParameterList(
+            [torch.nn.Parameter(row.contiguous(), requires_grad=False) for row in rows]))
+    else:
+        lm.register_parameter(LABEL_HEAD, torch.nn.Parameter(rows.contiguous(), requires_grad=False))
 
 
 class TrainableConfig(BaseModel):
@@ -52,7 +72,7 @@ class TrainableConfig(BaseModel):
     patterns: list[str] = Field(default_factory=list)  # regexes on parameter names ("patterns", "magnitude")
     also_train: list[str] = Field(default_factory=list)  # regexes added to any mode, e.g. a classifier head
     # prompt-classification: train a copy of the label words' output rows (classes x hidden values), started at
-    # the model's own rows, in place of the tied output embedding (data/tasks.py, LABEL_HEAD)
+    # the model's own rows, in place of the tied output embedding (attach_label_head)
     label_head: bool = False
     # one tensor per class's row instead of one for the head: zofed's block sampling then chooses among the classes,
     # where the one-tensor head is a single block (on SST-5 it did not pay: docs/method.md)
@@ -143,8 +163,18 @@ def _lora_blocks(model: torch.nn.Module, layers: list[int] | None) -> list[int] 
     return sorted({i % count for i in layers})
 
 
-def select_trainable(model: torch.nn.Module, config: TrainableConfig) -> tuple[torch.nn.Module, TrainableParams]:
-    """Apply `config` to `model`; returns the (possibly peft-wrapped) model and its trainable parameters."""
+def select_trainable(model: torch.nn.Module, config: TrainableConfig,
+                     label_token_ids: Sequence[int] | torch.Tensor | None = None) -> tuple[torch.nn.Module,
+                                                                                          TrainableParams]:
+    """Apply `config` to `model`; returns the (possibly peft-wrapped) model and its trainable parameters.
+    `label_token_ids` (a prompt classifier's verbalizer, one token per class) are the rows trainable.label_head
+    copies; without a head they are not read."""
+    if config.label_head:
+        if label_token_ids is None:
+            raise ModelLoadError("trainable.label_head needs a task.type prompt-classification task (it trains the "
+                                 "verbalizer's output rows); an encoder's classifier is trained with "
+                                 "trainable.also_train")
+        attach_label_head(model, label_token_ids, config.label_head_per_class)  # before peft wraps the model
     if config.mode == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -173,10 +203,6 @@ def select_trainable(model: torch.nn.Module, config: TrainableConfig) -> tuple[t
     selected += [(n, p) for n, p in _matching(model, config.also_train, "trainable.also_train") if n not in names]
     if config.label_head:
         heads = [(n, p) for n, p in model.named_parameters() if label_head_owner(n) is not None]
-        if not heads:
-            raise ModelLoadError("trainable.label_head needs a task.type prompt-classification task (it trains the "
-                                 "verbalizer's output rows); an encoder's classifier is trained with "
-                                 "trainable.also_train")
         selected += [(n, p) for n, p in heads if n not in {m for m, _ in selected}]
     if not selected and config.mode == "none":
         raise ModelLoadError("trainable.mode none selects nothing by itself: add trainable.label_head=true or "

@@ -65,7 +65,8 @@ def per_client_metric(setup: Setup, held_out: list[np.ndarray], batch_size: int)
     task = setup.config.task
     # From the task, not from the results: a federation whose clients hold no test examples still has one.
     metric = "accuracy" if task.type != "causal-lm" else "rougeL" if task.generate_eval > 0 else "loss"
-    results = [setup.task.evaluate(setup.model, setup.train, batch_size, idx) for idx in held_out if len(idx)]
+    results = [setup.task.evaluate(setup.model, setup.train, batch_size, idx, body=setup.body)
+               for idx in held_out if len(idx)]
     return metric, [r[metric] for r in results]
 
 
@@ -113,7 +114,8 @@ class FederatedRun:
     log: UplinkLog | None = None  # the accepted uplinks, hash-chained (run/uplink_log.py); None: not kept
 
     def client_context(self) -> ClientContext:
-        return ClientContext(self.setup.model, self.setup.trainable, self.setup.task, self.setup.train)
+        return ClientContext(self.setup.model, self.setup.trainable, self.setup.task, self.setup.train,
+                             self.setup.train_body)
 
     def client_role(self) -> ClientRole:
         """The role that trains every simulated client, attackers included."""
@@ -127,7 +129,8 @@ class FederatedRun:
             return {}
         t0 = time.perf_counter()
         result = self.setup.task.evaluate_during_training(self.setup.model, self.setup.test,
-                                                          self.config.train.eval_batch_size, self.watch)
+                                                          self.config.train.eval_batch_size, self.watch,
+                                                          body=self.setup.body)
         # generation makes an evaluation cost as much as a round: its time is kept apart from the round's
         return {**{f"eval_{k}": v for k, v in result.items()}, "eval_seconds": round(time.perf_counter() - t0, 2)}
 
@@ -135,7 +138,8 @@ class FederatedRun:
         """The starting model on the fixed test subset, recorded as round 0: curves then show where training
         began. The model must hold the starting tensors."""
         result = self.setup.task.evaluate_during_training(self.setup.model, self.setup.test,
-                                                          self.config.train.eval_batch_size, self.watch)
+                                                          self.config.train.eval_batch_size, self.watch,
+                                                          body=self.setup.body)
         self.metrics.write({"step": 0, "event": "eval", "round": 0, **{f"eval_{k}": v for k, v in result.items()}})
 
     def write_round(self, record: dict) -> None:
@@ -190,11 +194,11 @@ class FederatedRun:
         setup, config, fed = self.setup, self.config, self.config.federation
         save_final(setup, self.out)
         t0 = time.perf_counter()
-        test = setup.task.evaluate(setup.model, setup.test, config.train.eval_batch_size)
+        test = setup.task.evaluate(setup.model, setup.test, config.train.eval_batch_size, body=setup.body)
         test_seconds = time.perf_counter() - t0
         held_out = [client_eval_indices(s, fed.client_eval_examples, config.train.seed) for s in self.splits]
         metric, clients = per_client_metric(setup, held_out, config.train.eval_batch_size)
-        setup.task.save_remembered()
+        setup.save_remembered()
         records = self.metrics.read()
         history = [r for r in records if r["event"] == "round"]
         key = f"eval_{metric}"

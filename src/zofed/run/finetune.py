@@ -83,7 +83,8 @@ def finetune(config: FinetuneConfig, *, resume: bool = False, show_progress: boo
     progress = Progress(*columns, disable=not show_progress, transient=False)
 
     def evaluate(step: int) -> dict[str, float]:
-        result = setup.task.evaluate_during_training(setup.model, setup.test, config.train.eval_batch_size, watch)
+        result = setup.task.evaluate_during_training(setup.model, setup.test, config.train.eval_batch_size, watch,
+                                                     body=setup.body)
         metrics.write({"step": step, "event": "eval", "forward_passes": forward_passes,
                        **{f"eval_{k}": v for k, v in result.items()}})
         if show_progress:
@@ -99,7 +100,8 @@ def finetune(config: FinetuneConfig, *, resume: bool = False, show_progress: boo
         for step in range(start, steps):
             batch = setup.task.collate(setup.train, batch_indices(config, step, len(setup.train)))
             lr = learning_rate(step, config.optimizer.lr, config.optimizer.schedule, steps, config.optimizer.warmup)
-            loss = (setup.task.cached_loss(setup.model, setup.cache, batch) if setup.cache is not None
+            loss = (setup.task.cached_loss(setup.model, setup.cache, batch, body=setup.train_body)
+                    if setup.cache is not None
                     else lambda b=batch: setup.task.loss(setup.model, b))
             opt_state, record = zo_step(
                 tensors, loss, optimizer, opt_state,
@@ -124,8 +126,8 @@ def finetune(config: FinetuneConfig, *, resume: bool = False, show_progress: boo
 def finish(setup: Setup, out: Path, **extra: Any) -> dict[str, Any]:
     """Save the trained tensors and evaluate on the whole test split."""
     save_final(setup, out)
-    test = setup.task.evaluate(setup.model, setup.test, setup.config.train.eval_batch_size)
-    setup.task.save_remembered()
+    test = setup.task.evaluate(setup.model, setup.test, setup.config.train.eval_batch_size, body=setup.body)
+    setup.save_remembered()
     results = {"test": test, "test_examples": len(setup.test), "trainable_parameters": setup.trainable.numel(),
                "steps": setup.config.train.steps, **extra}
     write_atomic_text(out / "results.json", json.dumps(results, indent=2))

@@ -142,7 +142,8 @@ def head_common_mode(setup: Setup, indices: np.ndarray) -> Regressors | None:
     if not heads or cache is None or cache.start != len(cache.layers):
         return None
     with torch.no_grad():
-        features = cache.backbone.norm(setup.task.last_features(cache, setup.train, indices)).float()
+        features = setup.task.last_features(cache, setup.train, indices, body=setup.train_body)
+        features = cache.backbone.norm(features).float()
     mean = features.mean(0)
     unit = (mean / mean.norm()).cpu()
 
@@ -163,7 +164,8 @@ def probe_loss_screen(setup: Setup, examples: int, seed: int, threshold: float, 
     batch = setup.task.collate(setup.train, indices)
     params = setup.trainable.tensors()
     # with a prefix cache the frozen bottom (every block, on a trainable head) runs over the probe batch once, here
-    cached = None if setup.cache is None else setup.task.cached_loss(setup.model, setup.cache, batch)
+    cached = (None if setup.cache is None
+              else setup.task.cached_loss(setup.model, setup.cache, batch, body=setup.train_body))
     common = head_common_mode(setup, indices) if score == "agreement" else None
 
     def loss_of(tensors: Sequence[torch.Tensor]) -> float:

@@ -48,11 +48,23 @@ class Setup:
     label_names: list[str] | None
     train_data: TextDataset
     cache: PrefixCache | None = None  # zo.cache prefix or features: the frozen bottom runs once per batch
+    # the frozen body's remembered features (`body_memo`), which evaluations read instead of running the body
+    body: BodyFeatures | None = None
 
     @property
     def pass_fraction(self) -> float:
         """The share of the model's blocks a perturbed pass runs (1.0: the whole model)."""
         return self.cache.fraction if self.cache is not None else 1.0
+
+    @property
+    def train_body(self) -> BodyFeatures | None:
+        """The memo training losses read too (zo.cache: features, every block frozen); None: they run the body."""
+        return self.body if self.config.zo.cache == "features" else None
+
+    def save_remembered(self) -> None:
+        """Merge the remembered features into their store, when the run keeps one (ZOFED_FEATURE_STORE)."""
+        if self.body is not None:
+            self.body.save()
 
 
 def hold_out(train: TextDataset, column: str, values: list[str]) -> tuple[TextDataset, TextDataset]:
@@ -118,9 +130,9 @@ def build(config: FinetuneConfig) -> Setup:
     num_classes = len(train.label_names) if train.label_names else None
     model, trainable, task = build_model(config, num_classes, device, train.label_names)
     cache = prefix_cache(config, model, trainable, task)
-    if isinstance(task, PromptClassification):
-        task.remember_body(body_memo(config, model, trainable, cache), in_training=config.zo.cache == "features")
-    return Setup(config, model, trainable, task, task.encode(train), task.encode(test), train.label_names, train, cache)
+    body = body_memo(config, model, trainable, cache) if isinstance(task, PromptClassification) else None
+    return Setup(config, model, trainable, task, task.encode(train), task.encode(test), train.label_names, train, cache,
+                 body)
 
 
 def run_device(config: FinetuneConfig) -> torch.device:
@@ -139,13 +151,12 @@ def build_model(config: FinetuneConfig, num_classes: int | None, device: torch.d
     loaded = load_model(config.model.name, kind=kind, num_labels=num_classes if kind == "encoder" else None,
                         head_seed=config.trainable.init_seed)
     task = make_task(config.task, loaded.tokenizer, num_classes, label_names)
-    if config.trainable.label_head:
-        if not isinstance(task, PromptClassification):
-            raise ConfigError(f"trainable.label_head trains the verbalizer's output rows of a prompt-classification "
-                              f"task, not of task.type {config.task.type}; an encoder's classifier is trained with "
-                              "trainable.also_train")
-        task.attach_label_head(loaded.model, per_class=config.trainable.label_head_per_class)
-    model, trainable = select_trainable(loaded.model, config.trainable)
+    if config.trainable.label_head and not isinstance(task, PromptClassification):
+        raise ConfigError(f"trainable.label_head trains the verbalizer's output rows of a prompt-classification "
+                          f"task, not of task.type {config.task.type}; an encoder's classifier is trained with "
+                          "trainable.also_train")
+    label_words = task.label_token_ids if isinstance(task, PromptClassification) else None
+    model, trainable = select_trainable(loaded.model, config.trainable, label_words)
     place_model(model, trainable.params, device, DTYPES[config.model.dtype])
     if trainable.masks is not None:
         trainable.masks = [None if m is None else m.to(device) for m in trainable.masks]
