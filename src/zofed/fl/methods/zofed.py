@@ -1,5 +1,6 @@
 """zofed's own method: each client perturbs one block a step, drawn from its own distribution (personal.py),
-and the server applies block-wise adaptive momentum (its default server optimizer).
+and the server applies adaptive momentum to the rebuilt update, one second moment for the whole update (its
+default server optimizer).
 
 The downlink carries the client's block distribution pi (and, with a tilt, the server's first moment); every
 step's perturbation is a function of its seed and that state, so the server rebuilds exactly what the client
@@ -82,9 +83,8 @@ class Zofed(Method):
     server_default = ServerDefault("adam", 1e-2, "global", relative=True)
 
     def default_estimator(self, queries: int) -> str:
-        # Several queries a step share one centre pass, q + 1 passes instead of 2 q: on the ranking benchmark
-        # (docs/method.md) the budget then buys 32 rounds instead of 25 and ends higher. With one query both
-        # estimates cost two passes, and the central one has no O(eps) bias.
+        # Several queries a step share one centre pass, q + 1 passes instead of 2 q, so a budget buys more
+        # steps. With one query both estimates cost two passes, and the central one has no O(eps) bias.
         return "forward" if queries > 1 else "central"
 
     def round_method(self, personalize: bool) -> str:
