@@ -3,11 +3,11 @@
 The schema's own defaults (run/config.py, run/federated_config.py) serve every task, model and method alike: LoRA,
 one query a step, no cached features. On prompt classification with a decoder the cheapest thing to train is the
 label head on cached features: a client runs the model once a round and takes all its steps on the cached rows.
-There neither of zofed's two components is active (one block, plain averaging: docs/method.md), so the run is zo-
-seeds with one-sided queries; docs/results/ranking.md ranks it against the baselines and first-order FedAvg on the
-same head. `federation.recipe: auto` (the default) fills that recipe in when the config says nothing of what trains
-(no `trainable.mode`, no `trainable.label_head`): a run with no config at all, or one that names only its model,
-data and federation, gets it. Whatever the config does set wins over the recipe, key by key
+There neither of zofed's two components is active (one block, plain averaging: docs/method.md), so the run is
+zo-seeds with one-sided queries; docs/results/ranking.md ranks it against the baselines and first-order FedAvg on
+the same head. `federation.recipe: auto` (the default) fills that recipe in when the config says nothing of what
+trains (no `trainable.mode`, no `trainable.label_head`): a run with no config at all, or one that names only its
+model, data and federation, gets it. Whatever the config does set wins over the recipe, key by key
 (`trainable.label_head_per_class: true` alone keeps the recipe and splits its head); a config that chooses what
 trains, another method or another task keeps the schema's defaults. `recipe: none` never fills it in, and `recipe:
 head` fills it whatever the config trains.
