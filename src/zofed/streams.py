@@ -37,13 +37,10 @@ zo/feature_scale.py, constants of the code rather than streams of a run.
 
 from __future__ import annotations
 
-import contextlib
 import enum
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
-import torch
 
 SHARED_OWNER = 2**32 - 1  # the owner slot of step seeds that every client of a round shares
 KSEED_POOL = 2**40  # derive_seed slot offset of FedKSeed's pool seeds
@@ -178,19 +175,6 @@ def lora_init(init_seed: int) -> int:
 def head_init(init_seed: int) -> int:
     """torch's seed for an encoder's new classification head."""
     return _torch_seed(Tag.HEAD_INIT, init_seed)
-
-
-_GLOBAL_RNG = threading.Lock()
-
-
-@contextlib.contextmanager
-def seeded_global_rng(seed: int) -> Iterator[None]:
-    """torch's global generator seeded with `seed` for the block (peft and transformers draw new weights from it),
-    and restored after. One block at a time in a process: two runs side by side would otherwise seed and draw
-    from the one global generator in turn, each getting the other's draws."""
-    with _GLOBAL_RNG, torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
 
 
 def _torch_seed(tag: Tag, *args: int) -> int:

@@ -35,6 +35,7 @@ from zofed.models.catalog import (
     cache_dir,
 )
 from zofed.models.gguf_cache import gguf_cache, gguf_file_cache, is_gguf
+from zofed.models.global_rng import seeded_global_rng
 
 # transformers is imported inside the functions that use it: it adds ~2-4 s to `import zofed.models`,
 # which the CLI and config validation (builtin_model_names, cache_dir) should not pay.
@@ -132,7 +133,7 @@ def load_model(name: str, kind: str | None = None, num_labels: int | None = None
                 model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
             else:
                 # The new head's weights come from the global RNG: a fixed seed in a forked stream.
-                with streams.seeded_global_rng(streams.head_init(head_seed)):
+                with seeded_global_rng(streams.head_init(head_seed)):
                     model = AutoModelForSequenceClassification.from_pretrained(
                         source, num_labels=num_labels, dtype=torch.float32
                     )

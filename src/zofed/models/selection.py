@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from zofed import streams
 from zofed.models.catalog import ModelLoadError
+from zofed.models.global_rng import seeded_global_rng
 from zofed.zo.optim import magnitude_masks
 
 SelectionMode = Literal["all", "lora", "patterns", "magnitude", "none"]
@@ -183,7 +184,7 @@ def select_trainable(model: torch.nn.Module, config: TrainableConfig,
                           layers_to_transform=_lora_blocks(model, config.lora_layers))
         linear = _linear_names(model)  # before peft wraps the model
         try:
-            with streams.seeded_global_rng(streams.lora_init(config.init_seed)):
+            with seeded_global_rng(streams.lora_init(config.init_seed)):
                 model = get_peft_model(model, lora)
         except ValueError as err:  # peft: "Target modules {...} not found in the base model", or unsupported
             raise ModelLoadError(
