@@ -17,6 +17,7 @@ from ranking_protocol import (
     base_config,
     choices,
     current_rows,
+    grid,
     per_client_round_cost,
     protocol,
     rounds_for,
@@ -256,6 +257,11 @@ def protocol_lines(p: Protocol) -> list[str]:
             "`.venv/bin/python benchmarks/ranking.py --phase tune`, then `--phase final`."]
 
 
+def tuning_runs(p: Protocol, table: str) -> int:
+    """The tuning runs one dataset of a table takes: every training row's grid on every tuning seed."""
+    return sum(len(grid(p, table, row)) for row in p.tables[table].rows) * len(p.seeds.tune)
+
+
 def benchmarks_section(table: dict) -> str:
     """The README's summary of the ranking: per dataset of the first table, zofed against the best ZO baseline,
     the first-order row on the same set and zero-shot, or that it has not run yet."""
@@ -273,7 +279,9 @@ def benchmarks_section(table: dict) -> str:
             if (r["table"], r["dataset"], r["alpha"]) == (name, dataset, alpha):
                 by_row.setdefault(r["row"], []).append(r)
         if "zofed" not in by_row:
-            lines.append(f"- {dataset}: not run yet")
+            tuned = sum((r["table"], r["dataset"], r["phase"]) == (name, dataset, "tune") for r in rows)
+            lines.append(f"- {dataset}: no final rows yet ({tuned} tuning runs of {tuning_runs(p, name)} done)"
+                         if tuned else f"- {dataset}: not run yet")
             continue
         parts = [f"zofed {_mean_std(by_row['zofed'])} ({len(by_row['zofed'])})"]
         zo = {n: rs for n, rs in by_row.items() if kind_of(p, name, n) == "zo"}
