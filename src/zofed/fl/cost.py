@@ -17,7 +17,7 @@ beside these (docs/results/cost_model.md).
 from __future__ import annotations
 
 from zofed.fl.plan import LocalTraining
-from zofed.zo.prefix import forward_equivalents
+from zofed.zo.prefix import forward_equivalents, zo_passes
 
 FIRST_ORDER_HEAD_PASSES = 3  # a forward and a backward worth two
 
@@ -25,11 +25,6 @@ FIRST_ORDER_HEAD_PASSES = 3  # a forward and a backward worth two
 def first_order_step(backward_fraction: float) -> float:
     """One back-propagation step: a full forward pass plus a backward through `backward_fraction` of it."""
     return 1.0 + 2.0 * backward_fraction
-
-
-def zo_passes(queries: int, estimator: str) -> int:
-    """The perturbed passes of one ZO step: two per query (central), or one per query plus the shared centre."""
-    return 2 * queries if estimator == "central" else queries + 1
 
 
 def head_step(head_fraction: float, first_order: bool, queries: int, estimator: str) -> float:

@@ -132,8 +132,12 @@ def forward_equivalents(fraction: float, queries: int, estimator: str = "central
     the top `fraction` of the blocks, two per query for the central estimate, one per query plus the shared
     centre for the forward one (the embeddings are not counted, nor a classification head's few label rows; a
     causal LM's vocabulary projection is, through `PrefixCache.fraction`)."""
-    passes = 2 * queries if estimator == "central" else queries + 1
-    return (1.0 - fraction) + passes * fraction
+    return (1.0 - fraction) + zo_passes(queries, estimator) * fraction
+
+
+def zo_passes(queries: int, estimator: str) -> int:
+    """The perturbed passes of one ZO step: two per query (central), or one per query plus the shared centre."""
+    return 2 * queries if estimator == "central" else queries + 1
 
 
 def head_fraction(model: torch.nn.Module, num_classes: int) -> float:
