@@ -92,83 +92,79 @@ def zo_step(tensors: Sequence[torch.Tensor], loss_fn: Callable[[], float], optim
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown ZO estimator {estimator!r}; choose one of {', '.join(ESTIMATORS)}")
     pert = optimizer.perturbation(clean if clean is not None else tensors, state, perturbation or Perturbation())
+    seeds = [query_seed(seed, j) for j in range(queries)]
+    points = _InPlace(tensors, pert) if clean is None else _FromClean(tensors, clean, pert, seeds)
+    centre = None
     if estimator == "forward":
-        return _forward_step(tensors, clean, loss_fn, optimizer, state, pert, seed, eps, lr, queries, scalar_bits)
-    if clean is not None:
-        return _exact_step(tensors, clean, loss_fn, optimizer, state, pert, seed, eps, lr, queries, scalar_bits)
+        centre = float(loss_fn())
+        if not math.isfinite(centre):
+            raise NonFiniteLossError(f"non-finite loss at the centre point: {centre}")
     grads, losses = [], []
-    seeds = [query_seed(seed, j) for j in range(queries)]
-    # No word cache here: it would hold 1/32 of the trainable bytes through every forward pass, above what
-    # inference holds; hashing again costs a little time. The noise is made on the tensors' own device.
-    source = NoiseSource(pert.kind, device=tensors[0].device)
     for j, s in enumerate(seeds):
-        add_directions_(tensors, [(s, eps)], pert, source)
-        loss_plus = float(loss_fn())
-        add_directions_(tensors, [(s, -2 * eps)], pert, source)
-        loss_minus = float(loss_fn())
-        if not (math.isfinite(loss_plus) and math.isfinite(loss_minus)):
-            add_directions_(tensors, [(s, eps)], pert, source)
-            raise NonFiniteLossError(f"non-finite loss at query {j}: +eps {loss_plus}, -eps {loss_minus}")
-        grads.append(_wire_scalar((loss_plus - loss_minus) / (2 * eps), scalar_bits))
-        losses.extend((loss_plus, loss_minus))
-        if j < queries - 1:
-            add_directions_(tensors, [(s, eps)], pert, source)
-    record = StepRecord(step=state.step, seed=seed, grads=tuple(grads), loss=sum(losses) / len(losses))
-    state = optimizer.apply(tensors, state, record.grad_terms(), [(seeds[-1], eps)], lr, pert, source)
-    return state, record
+        offsets = (eps, -eps) if centre is None else (eps,)
+        values = [points.loss_at(s, offset, loss_fn) for offset in offsets]
+        if not all(math.isfinite(v) for v in values):
+            points.restore()
+            read = ", ".join(f"{sign}eps {v}" for sign, v in zip("+-", values, strict=False))
+            raise NonFiniteLossError(f"non-finite loss at query {j}: {read}")
+        grad = (values[0] - values[1]) / (2 * eps) if centre is None else (values[0] - centre) / eps
+        grads.append(_wire_scalar(grad, scalar_bits))
+        losses.extend(values)
+    record = StepRecord(step=state.step, seed=seed, grads=tuple(grads),
+                        loss=sum(losses) / len(losses) if centre is None else centre)
+    return points.update(optimizer, state, record.grad_terms(), lr), record
 
 
-def _exact_step(tensors, clean, loss_fn, optimizer, state, pert, seed, eps, lr, queries, bits):
-    grads, losses = [], []
-    seeds = [query_seed(seed, j) for j in range(queries)]
-    source = _clean_source(pert, clean, seeds)
-    for j, s in enumerate(seeds):
-        write_directions_(tensors, clean, [(s, eps)], pert, source)
-        loss_plus = float(loss_fn())
-        write_directions_(tensors, clean, [(s, -eps)], pert, source)
-        loss_minus = float(loss_fn())
-        if not (math.isfinite(loss_plus) and math.isfinite(loss_minus)):
-            _copy_(tensors, clean)
-            raise NonFiniteLossError(f"non-finite loss at query {j}: +eps {loss_plus}, -eps {loss_minus}")
-        grads.append(_wire_scalar((loss_plus - loss_minus) / (2 * eps), bits))
-        losses.extend((loss_plus, loss_minus))
-    record = StepRecord(step=state.step, seed=seed, grads=tuple(grads), loss=sum(losses) / len(losses))
-    state = optimizer.apply(clean, state, record.grad_terms(), [], lr, pert, source)
-    _copy_(tensors, clean)
-    return state, record
+class _InPlace:
+    """Perturbed points reached by adding directions to the tensors in place (inference-level memory): moving
+    from +eps u to -eps u of the same seed is one pass, and the optimizer's pass takes the last offset back."""
 
+    def __init__(self, tensors: Sequence[torch.Tensor], pert: Perturbation) -> None:
+        # No word cache here: it would hold 1/32 of the trainable bytes through every forward pass, above what
+        # inference holds; hashing again costs a little time. The noise is made on the tensors' own device.
+        self.tensors, self.pert = tensors, pert
+        self.source = NoiseSource(pert.kind, device=tensors[0].device)
+        self.at: tuple[int, float] | None = None  # the (seed, offset) the tensors sit at
 
-def _forward_step(tensors, clean, loss_fn, optimizer, state, pert, seed, eps, lr, queries, bits):
-    """One-sided queries around one centre pass; from the clean copy when given (exact replay), else in place."""
-    centre = float(loss_fn())
-    if not math.isfinite(centre):
-        raise NonFiniteLossError(f"non-finite loss at the centre point: {centre}")
-    grads = []
-    seeds = [query_seed(seed, j) for j in range(queries)]
-    # in place, no word cache (as in zo_step)
-    source = NoiseSource(pert.kind, device=tensors[0].device) if clean is None else _clean_source(pert, clean, seeds)
-    for j, s in enumerate(seeds):
-        if clean is not None:
-            write_directions_(tensors, clean, [(s, eps)], pert, source)
+    def loss_at(self, seed: int, offset: float, loss_fn: Callable[[], float]) -> float:
+        if self.at is not None and self.at[0] == seed:
+            add_directions_(self.tensors, [(seed, offset - self.at[1])], self.pert, self.source)
         else:
-            add_directions_(tensors, [(s, eps)], pert, source)
-        loss_plus = float(loss_fn())
-        if not math.isfinite(loss_plus):
-            if clean is not None:
-                _copy_(tensors, clean)
-            else:
-                add_directions_(tensors, [(s, -eps)], pert, source)
-            raise NonFiniteLossError(f"non-finite loss at query {j}: +eps {loss_plus}")
-        grads.append(_wire_scalar((loss_plus - centre) / eps, bits))
-        if clean is None and j < queries - 1:
-            add_directions_(tensors, [(s, -eps)], pert, source)
-    record = StepRecord(step=state.step, seed=seed, grads=tuple(grads), loss=centre)
-    if clean is not None:
-        state = optimizer.apply(clean, state, record.grad_terms(), [], lr, pert, source)
-        _copy_(tensors, clean)
-    else:
-        state = optimizer.apply(tensors, state, record.grad_terms(), [(seeds[-1], -eps)], lr, pert, source)
-    return state, record
+            self.restore()
+            add_directions_(self.tensors, [(seed, offset)], self.pert, self.source)
+        self.at = (seed, offset)
+        return float(loss_fn())
+
+    def restore(self) -> None:
+        if self.at is not None:
+            add_directions_(self.tensors, [(self.at[0], -self.at[1])], self.pert, self.source)
+            self.at = None
+
+    def update(self, optimizer, state: OptState, terms: list[tuple[int, float]], lr: float) -> OptState:
+        back = [] if self.at is None else [(self.at[0], -self.at[1])]
+        return optimizer.apply(self.tensors, state, terms, back, lr, self.pert, self.source)
+
+
+class _FromClean:
+    """Perturbed points written from a clean copy (the master weights), which the optimizer then updates and
+    copies back: the update is bit-identical to a replay of the step's record, for one more copy of the tensors."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], clean: Sequence[torch.Tensor], pert: Perturbation,
+                 seeds: Sequence[int]) -> None:
+        self.tensors, self.clean, self.pert = tensors, clean, pert
+        self.source = _clean_source(pert, clean, seeds)
+
+    def loss_at(self, seed: int, offset: float, loss_fn: Callable[[], float]) -> float:
+        write_directions_(self.tensors, self.clean, [(seed, offset)], self.pert, self.source)
+        return float(loss_fn())
+
+    def restore(self) -> None:
+        _copy_(self.tensors, self.clean)
+
+    def update(self, optimizer, state: OptState, terms: list[tuple[int, float]], lr: float) -> OptState:
+        state = optimizer.apply(self.clean, state, terms, [], lr, self.pert, self.source)
+        _copy_(self.tensors, self.clean)
+        return state
 
 
 KEPT_NOISE_VALUES = 1 << 22  # trainable values x queries up to which a step keeps all its noise (16 MiB)
