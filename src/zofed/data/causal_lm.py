@@ -17,12 +17,36 @@ import torch.nn.functional as F
 from zofed.data.dataset import DataError, TextDataset
 from zofed.data.generation import Progress, generate_texts, rouge_l
 from zofed.data.tasks import DEFAULT_TEMPLATE, Batch, Encoded, Task, TaskConfig, check_fields, refuse_body
+from zofed.models.selection import unwrap
 from zofed.zo.prefix import PrefixCache
 
 if TYPE_CHECKING:
     from zofed.data.body_features import BodyFeatures
 
 INSTRUCTION_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{context}\n\n### Response:\n"
+
+
+def scored(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions whose next token the loss scores (a (batch, length - 1) mask: the response and end-of-sequence
+    tokens) and those next tokens, in the mask's row-major order."""
+    mask = labels[:, 1:] != -100
+    return mask, labels[:, 1:][mask]
+
+
+def scored_logits(model: torch.nn.Module, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The output layer's logits at the scored positions only, from the backbone's last hidden state: on a long
+    prompt the vocabulary projection of every position would cost more than the top blocks do."""
+    lm = unwrap(model)
+    logits = lm.get_output_embeddings()(hidden[:, :-1][mask])
+    cap = getattr(lm.config, "final_logit_softcapping", None)  # Gemma 2 caps its logits after the projection
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def last_hidden(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """The backbone's last hidden state (after its final norm), without the output layer; a LoRA model's adapters
+    live inside the backbone's blocks, so they run."""
+    backbone = unwrap(model).base_model
+    return backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).last_hidden_state
 
 
 def resolve_prompt_format(tokenizer, config: TaskConfig) -> Literal["chat", "template"]:
@@ -115,26 +139,25 @@ class CausalLM(Task):
     def loss_tensor(self, model: torch.nn.Module, batch: Batch, shift: torch.Tensor | None = None) -> torch.Tensor:
         if shift is not None:
             raise ValueError("a logit shift (federation.logit_adjust) needs a classification task, not causal-lm")
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch.labels[:, 1:].flatten(), ignore_index=-100)
+        mask, targets = scored(batch.labels)
+        return F.cross_entropy(scored_logits(model, last_hidden(model, batch), mask), targets)
 
     def cached_loss(self, model: torch.nn.Module, cache: PrefixCache, batch: Batch,
                     shift: torch.Tensor | None = None, *, body: BodyFeatures | None = None) -> Callable[[], float]:
         """The batch's response loss as a function of the trainable top blocks only: the frozen bottom runs once,
-        here, and each call runs the blocks from the cache's split up, the final norm and the output layer."""
+        here, and each call runs the blocks from the cache's split up, the final norm and the output layer (at the
+        scored positions only; the cache's cost still counts it at every position, an upper bound)."""
         refuse_body(body, self.config.type)
         if shift is not None:
             raise ValueError("a logit shift (federation.logit_adjust) needs a classification task, not causal-lm")
-        head = cache.output_layer
-        if head is None:  # its passes would run a layer the cache does not charge
+        if cache.output_layer is None:  # its passes would run a layer the cache does not charge
             raise ValueError("a causal-lm cached loss needs a PrefixCache built with output_layer=True")
         prefix = cache.capture(batch.input_ids, batch.attention_mask)
-        targets = batch.labels[:, 1:].flatten()
+        mask, targets = scored(batch.labels)
 
         @torch.no_grad()
         def loss() -> float:
-            logits = head(cache.hidden(prefix))
-            return float(F.cross_entropy(logits[:, :-1].flatten(0, 1), targets, ignore_index=-100))
+            return float(F.cross_entropy(scored_logits(model, cache.hidden(prefix), mask), targets))
 
         return loss
 
@@ -150,10 +173,10 @@ class CausalLM(Task):
         total, count = 0.0, 0
         for start in range(0, len(order), batch_size):
             batch = self.collate(data, order[start:start + batch_size])
-            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-            targets = batch.labels[:, 1:].flatten()
-            total += float(F.cross_entropy(logits[:, :-1].flatten(0, 1), targets, ignore_index=-100, reduction="sum"))
-            count += int((targets != -100).sum())
+            mask, targets = scored(batch.labels)
+            logits = scored_logits(model, last_hidden(model, batch), mask)
+            total += float(F.cross_entropy(logits, targets, reduction="sum"))
+            count += len(targets)
         result = {"loss": total / max(1, count)}
         if self.config.generate_eval > 0:
             result["rougeL"] = self.generation_score(model, data, order[: self.config.generate_eval], batch_size,
