@@ -18,10 +18,9 @@ from zofed.zo.noise import (
     CHUNK,
     GAUSSIAN_COUNTER,
     NoiseSource,
-    _counters,
+    _counters_,
     derive_seed,
     gaussian,
-    words,
     words_of_seeds,
 )
 from zofed.zo.perturb import Perturbation, add_directions_, add_seed_rows_
@@ -54,7 +53,7 @@ def reference_word(seed: int, tensor: int, counter: int) -> int:
 
 @pytest.mark.parametrize(("seed", "tensor", "start"), sorted(WORD_VECTORS))
 def test_words_match_the_committed_vectors_and_the_written_definition(seed, tensor, start):
-    got = [int(w) & 0xFFFFFFFF for w in words(seed, tensor, start, 4)]
+    got = [int(w) & 0xFFFFFFFF for w in words_of_seeds([seed], tensor, start, 4)[0]]
     assert got == WORD_VECTORS[(seed, tensor, start)]
     assert got == [reference_word(seed, tensor, start + j) for j in range(4)]
 
@@ -120,17 +119,20 @@ def test_a_chunk_must_start_on_a_word_pair_boundary():
         NoiseSource("rademacher").chunk(1, 0, 32, 10)
 
 
-def test_noise_rows_for_many_seeds_are_each_seeds_own_chunk_bit_for_bit():
+@pytest.mark.parametrize("size", [100, CHUNK // 2])  # rows in the source's reused buffer, or too many for it
+def test_noise_rows_for_many_seeds_are_each_seeds_own_chunk_bit_for_bit(size):
+    """A grid of many seeds (its keys a tensor) against one seed at a time (its keys Python ints)."""
     seeds = [3, 2**62 + 17, 0, 99]
     grid = words_of_seeds(seeds, 5, 7, 40)
-    assert torch.equal(grid, torch.stack([words(s, 5, 7, 40) for s in seeds]))
+    assert torch.equal(grid, torch.cat([words_of_seeds([s], 5, 7, 40) for s in seeds]))
     scales = [0.25, -3.0e-4, 1.0, -7.5]
     for kind in ("rademacher", "gaussian"):
         source = NoiseSource(kind)
-        rows = source.rows(seeds, 2, 128, 100, scales)
-        assert rows.shape == (4, 100)
+        rows = source.rows(seeds, 2, 128, size, scales).clone()
+        assert rows.shape == (4, size)
         for k, (seed, scale) in enumerate(zip(seeds, scales, strict=True)):
-            assert torch.equal(rows[k], source.chunk(seed, 2, 128, 100, scale))
+            assert torch.equal(rows[k], source.chunk(seed, 2, 128, size, scale))
+        assert not torch.equal(rows[1] / scales[1], rows[3] / scales[3])  # different seeds, different noise
 
 
 def test_pooled_seed_rows_add_what_seed_by_seed_directions_add_bit_for_bit():
@@ -157,8 +159,8 @@ def test_pooled_seed_rows_add_what_seed_by_seed_directions_add_bit_for_bit():
 
 
 def _rademacher_reference(seed: int, tensor: int, numel: int) -> torch.Tensor:
-    """One tensor's Rademacher noise from a single unchunked `words` call (the words' bits, most significant first)."""
-    w = words(seed, tensor, 0, (numel + 31) // 32).to(torch.int64) & 0xFFFFFFFF
+    """One tensor's Rademacher noise from a single unchunked words call (the words' bits, most significant first)."""
+    w = words_of_seeds([seed], tensor, 0, (numel + 31) // 32)[0].to(torch.int64) & 0xFFFFFFFF
     bits = (w.unsqueeze(1) >> torch.arange(31, -1, -1)) & 1
     return (1.0 - 2.0 * bits.to(torch.float32)).reshape(-1)[:numel]
 
@@ -183,7 +185,7 @@ def test_prefetched_noise_gives_each_seeds_own_chunks_bit_for_bit(monkeypatch):
     n, seeds = 256 * 3 + 70, [5, 2**62 + 3, 11]
     cached = NoiseSource("rademacher")
     cached.prefetch(seeds, 2, n)
-    monkeypatch.setattr(noise, "words", None)  # a chunk that hashed again would fail here
+    monkeypatch.setattr(noise, "words_of_seeds", None)  # a chunk that hashed again would fail here
     for seed in seeds:
         for scale in (1.0, -2.5e-3):
             out = torch.zeros(n)
@@ -199,10 +201,11 @@ def test_prefetched_noise_gives_each_seeds_own_chunks_bit_for_bit(monkeypatch):
 
 def test_counters_wrap_like_uint32_across_the_signed_boundary():
     for start in (2**31 - 5, 2**32 - 3, 2**31, 0, 3 * 2**32 + 7):
-        got = _counters(start, 10, "cpu").to(torch.int64) & 0xFFFFFFFF
+        got = _counters_(torch.empty(10, dtype=torch.int32), start).to(torch.int64) & 0xFFFFFFFF
         assert got.tolist() == [(start + j) & 0xFFFFFFFF for j in range(10)]
-    assert [int(x) & 0xFFFFFFFF for x in words(8, 2, 2**31 - 3, 6)] == [reference_word(8, 2, 2**31 - 3 + j)
-                                                                       for j in range(6)]
+    got = words_of_seeds([8, 9], 2, 2**31 - 3, 6)
+    for row, seed in zip(got, (8, 9), strict=True):
+        assert [int(x) & 0xFFFFFFFF for x in row] == [reference_word(seed, 2, 2**31 - 3 + j) for j in range(6)]
 
 
 class _NewStorageBytes(TorchDispatchMode):

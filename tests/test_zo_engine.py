@@ -233,7 +233,7 @@ def test_a_small_step_from_a_clean_copy_makes_all_its_noise_in_one_pass_and_move
     and the step moves the weights bit for bit as one that hashes every query's noise each time it reads it."""
     from zofed.zo import step as step_module
 
-    calls = {"words": 0, "words_of_seeds": 0}
+    calls = {"words_of_seeds": 0}
 
     def counting(fn: str):
         original = getattr(noise, fn)
@@ -259,9 +259,9 @@ def test_a_small_step_from_a_clean_copy_makes_all_its_noise_in_one_pass_and_move
         return clean
 
     cached = run(step_module.KEPT_NOISE_VALUES)
-    assert calls == {"words": 0, "words_of_seeds": 2 + 1 + 2}
+    assert calls == {"words_of_seeds": 2 + 1 + 2}  # the prefetches, one per moving tensor and step; no read hashes
     regenerated = run(0)
-    assert calls["words"] > 0 and calls["words_of_seeds"] == 5
+    assert calls["words_of_seeds"] > 5
     assert all(torch.equal(a, b) for a, b in zip(cached, regenerated, strict=True))
 
 

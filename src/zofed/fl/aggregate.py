@@ -7,7 +7,9 @@ as a `Contribution`: its example weight and either its dense update or its direc
 densely, and one that needs each client's update (a median, a clipped mean) can rebuild it with
 `Contribution.rebuild`. An aggregator that only needs the weighted sum may also offer `update_pooled`: the server
 then hands it the round already summed per (seed, tensor) on arrays (`PooledTerms`, pooled.py), when the method
-can (`Method.pooled_terms`), and skips building a `Contribution` per client.
+can (`Method.pooled_terms`), and skips building a `Contribution` per client. Both paths stay: the general one
+serves dense uplinks, tilted or stateful steps and every robust aggregator; the pooled one skips per-client
+bookkeeping (benchmarks/paths.py times both). tests/test_pooled_aggregation.py keeps their means bit-identical.
 
 Against clients that lie, `trimmed-mean` and `median` look at each client's update coordinate by coordinate,
 `seed-median` (rounds whose clients share their step seeds) at each client's coefficient on each seed's noise, and

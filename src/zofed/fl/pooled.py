@@ -15,6 +15,8 @@ Exactness: each coefficient is the general path's float64 product, taken in its 
 (seed, block) by np.bincount, which adds in input order: client, step, query order, the general path's loop. The
 seeds are listed in first-use order, as the general path's dict keeps them. So the aggregated update is the
 general path's bit for bit, with private or shared seeds (tests/test_pooled_aggregation.py checks both).
+The general path stays for the rounds this one cannot take (aggregate.py); benchmarks/paths.py times the two on
+one round (docs/results/paths.json).
 """
 
 from __future__ import annotations

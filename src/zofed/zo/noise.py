@@ -17,6 +17,8 @@ last bit or two of float32 (tests bound it against a float64 evaluation). `tests
 committed vectors every platform must reproduce.
 
 Tensors are cut into chunks of CHUNK elements only to bound the scratch memory; the values do not depend on it.
+One code path serves one seed and many: `words_of_seeds` hashes a (seeds, words) grid and `NoiseSource.chunk` is
+`NoiseSource.rows` for one seed, so a client's step and a server's rebuild of thousands of seeds make the same bits.
 """
 
 from __future__ import annotations
@@ -97,29 +99,24 @@ def _counters_(out: torch.Tensor, start: int) -> torch.Tensor:
     return out
 
 
-def _counters(start: int, count: int, device: torch.device | str) -> torch.Tensor:
-    return _counters_(torch.empty(count, dtype=torch.int32, device=device), start)
-
-
-def words(seed: int, tensor_index: int, start: int, count: int, device: torch.device | str = "cpu", *,
-          out: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """Random words `start` .. `start + count - 1` of one tensor's stream, as int32 (the bits are what count).
-    Written into `out` when given (flat int32 of `count` values, on `device`), with `scratch` (the same) for the
-    hash's shifted copies: a caller that passes both allocates nothing."""
-    k0, k1 = tensor_key(seed, tensor_index)
-    x = _counters_(torch.empty(count, dtype=torch.int32, device=device) if out is None else out, start)
+def words_of_seeds(seeds: Sequence[int], tensor_index: int, start: int, count: int,
+                   device: torch.device | str = "cpu", *, out: torch.Tensor | None = None,
+                   scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """Random words `start` .. `start + count - 1` of one tensor's stream under each seed, one int32 row per seed
+    (the bits are what count): the same integer operations on a (seeds, count) grid, so a row does not depend on
+    the other seeds (a server rebuilding thousands of small tensors pays one call). Written into `out` when given
+    (int32 of that shape, on `device`), with `scratch` (the same) for the hash's shifted copies: a one-seed caller
+    that passes both allocates nothing (its keys stay Python ints, with no tensor made or copied to the device)."""
+    keys = [tensor_key(s, tensor_index) for s in seeds]
+    x = torch.empty((len(keys), count), dtype=torch.int32, device=device) if out is None else out
+    _counters_(x[0], start)
+    if len(keys) == 1:
+        k0, k1 = keys[0]
+    else:
+        x[1:].copy_(x[:1])
+        k0, k1 = torch.tensor(keys, dtype=torch.int32, device=device).unsqueeze(-1).unbind(1)
     _mix_(x.bitwise_xor_(k0), scratch)
     return _mix_(x.bitwise_xor_(k1), scratch)
-
-
-def words_of_seeds(seeds: Sequence[int], tensor_index: int, start: int, count: int,
-                   device: torch.device | str = "cpu") -> torch.Tensor:
-    """`words` for many seeds at once, one row each: the same integer operations on a (seeds, count) grid, so
-    every row is bit for bit `words(seed, ...)` (a server rebuilding thousands of small tensors pays one call)."""
-    keys = torch.tensor([tensor_key(s, tensor_index) for s in seeds], dtype=torch.int32, device=device)
-    x = _counters(start, count, device).unsqueeze(0).bitwise_xor(keys[:, :1])
-    _mix_(x)
-    return _mix_(x.bitwise_xor_(keys[:, 1:]))
 
 
 def _sign_bits(w: torch.Tensor, shifts: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -155,17 +152,20 @@ class NoiseSource:
         if self._cache is not None:
             self._cache.clear()
 
-    def _rademacher_words(self, seed: int, tensor_index: int, start: int, count: int) -> torch.Tensor:
-        key = (seed, tensor_index, start)
-        if self._cache is not None and key in self._cache:
+    def _rademacher_words(self, seeds: Sequence[int], tensor_index: int, start: int, count: int) -> torch.Tensor:
+        """The words behind a Rademacher grid, (seeds, count): one seed's kept in the word cache when there is one,
+        else written into the source's scratch when they fit (valid until the next call), else new."""
+        key = (seeds[0], tensor_index, start)
+        if self._cache is not None and len(seeds) == 1:
+            if key not in self._cache:
+                self._cache[key] = words_of_seeds(seeds, tensor_index, start, count, self.device,
+                                                  scratch=self._scratch[:count].view(1, count))
             return self._cache[key]
-        if self._cache is None:
-            return words(seed, tensor_index, start, count, self.device, out=self._words[:count],
-                         scratch=self._scratch[:count])
-        w = words(seed, tensor_index, start, count, self.device, out=torch.empty(count, dtype=torch.int32,
-                  device=self.device), scratch=self._scratch[:count])
-        self._cache[key] = w
-        return w
+        n = len(seeds) * count
+        if n > self._words.numel():
+            return words_of_seeds(seeds, tensor_index, start, count, self.device)
+        return words_of_seeds(seeds, tensor_index, start, count, self.device, out=self._words[:n].view(-1, count),
+                              scratch=self._scratch[:n].view(-1, count))
 
     def prefetch(self, seeds: Sequence[int], tensor_index: int, numel: int) -> None:
         """Make one tensor's Rademacher signs for all `seeds` now, one pass over all seeds per chunk, and keep them
@@ -179,48 +179,50 @@ class NoiseSource:
             self._signs.update({(seed, tensor_index, start): row for seed, row in zip(seeds, rows, strict=True)})
 
     def chunk(self, seed: int, tensor_index: int, start: int, size: int, scale: float = 1.0) -> torch.Tensor:
-        """`scale * z` for elements `start` .. `start + size - 1` of one tensor, as a float32 view that is valid
-        until the next call. `start` must be a multiple of 64 (chunk_bounds gives such chunks)."""
-        if start % 64:
-            raise ValueError(f"noise chunks start on a multiple of 64 elements, not at {start}")
-        if self.kind == "gaussian":
-            return gaussian(seed, tensor_index, start, size, self.device).mul_(scale)
-        if size > CHUNK:
+        """`scale * z` for elements `start` .. `start + size - 1` of one tensor: `rows` for one seed, as a float32
+        view that is valid until the next call. `start` must be a multiple of 64 (chunk_bounds gives such chunks)."""
+        if self.kind == "rademacher" and size > CHUNK:
             raise ValueError(f"a Rademacher chunk holds at most {CHUNK} elements (its reused buffer), not {size}")
-        # Bit k of a word becomes the sign bit of a float whose magnitude bits are |scale|: one word yields 32
-        # entries of +-scale with integer operations only.
-        signs = self._signs.get((seed, tensor_index, start))
-        if signs is None:
-            count = (size + 31) // 32
-            w = self._rademacher_words(seed, tensor_index, start // 32, count)
-            signs = _sign_bits(w, self._shifts, out=self._bits[: count * 32].view(count, 32)).view(-1)[:size]
-        out = torch.bitwise_or(signs, _float_bits(abs(scale)), out=self._bits[:size]).view(torch.float32)
-        return out.neg_() if scale < 0 else out
+        return self.rows([seed], tensor_index, start, size, [scale])[0]
 
     def rows(self, seeds: Sequence[int], tensor_index: int, start: int, size: int,
              scales: Sequence[float]) -> torch.Tensor:
-        """`scales[k] * z(seeds[k])` over elements `start` .. `start + size - 1` of one tensor, one row per seed
-        (a new tensor): row k equals `chunk(seeds[k], ..., scales[k])` bit for bit. Rademacher rows are made in
-        one pass over all seeds; Gaussian rows one seed at a time (their transcendental functions may round
-        differently in a vectorized kernel's tail)."""
+        """`scales[k] * z(seeds[k])` over elements `start` .. `start + size - 1` of one tensor, one float32 row per
+        seed; row k does not depend on the other seeds. Rademacher rows are made in one pass over all seeds, into
+        the source's reused buffer when they fit one chunk (then valid until the next call; else a new tensor).
+        Gaussian rows are made one seed at a time (a vectorized kernel's tail may round its transcendentals
+        differently)."""
         if start % 64:
             raise ValueError(f"noise chunks start on a multiple of 64 elements, not at {start}")
         if self.kind == "gaussian":
-            return torch.stack([gaussian(s, tensor_index, start, size, self.device).mul_(c)
-                                for s, c in zip(seeds, scales, strict=True)])
-        count = (size + 31) // 32
-        bits = _sign_bits(words_of_seeds(seeds, tensor_index, start // 32, count, self.device), self._shifts)
-        # a float32 scale's bits are its sign and magnitude: xor onto a noise sign gives +-scale, as chunk does
-        scale_bits = torch.tensor(scales, dtype=torch.float64).to(torch.float32).view(torch.int32)
-        bits.bitwise_xor_(scale_bits.to(self.device)[:, None, None])
-        return bits.view(len(seeds), count * 32)[:, :size].view(torch.float32)
+            z = [gaussian(s, tensor_index, start, size, self.device).mul_(c)
+                 for s, c in zip(seeds, scales, strict=True)]
+            return z[0].unsqueeze(0) if len(z) == 1 else torch.stack(z)
+        count, n = (size + 31) // 32, len(seeds)
+        out = self._bits[: n * count * 32].view(n, count * 32) if n * count * 32 <= self._bits.numel() else None
+        kept = self._signs.get((seeds[0], tensor_index, start)) if n == 1 else None  # prefetched
+        if kept is None:
+            w = self._rademacher_words(seeds, tensor_index, start // 32, count)
+            signs = _sign_bits(w, self._shifts, out=None if out is None else out.view(n, count, 32)).view(n, -1)
+        else:
+            signs = kept.unsqueeze(0)
+        # Bit k of a word is the sign bit of entry k; xor with a float32 scale's bits (its sign and magnitude)
+        # makes +-scale: 32 entries per word with integer operations only.
+        if n == 1:
+            scale_bits = _float_bits(scales[0])  # a Python int: no tensor made or copied to the device
+        else:
+            scale_bits = torch.tensor(scales, dtype=torch.float64).to(torch.float32).view(torch.int32)
+            scale_bits = scale_bits.to(self.device)[:, None]
+        signs = signs[:, :size]
+        into = signs if kept is None else None if out is None else out[:, :size]  # kept signs stay as they are
+        return torch.bitwise_xor(signs, scale_bits, out=into).view(torch.float32)
 
 
 def gaussian(seed: int, tensor_index: int, start: int, size: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Standard normal elements `start` .. `start + size - 1` of one tensor (start even): Box-Muller on pairs of
     words, u1 in (0, 1] and u2 in [0, 1) from their top 24 bits."""
     pairs = (size + 1) // 2
-    w = words(seed, tensor_index, GAUSSIAN_COUNTER + start, 2 * pairs, device).view(pairs, 2)
+    w = words_of_seeds([seed], tensor_index, GAUSSIAN_COUNTER + start, 2 * pairs, device).view(pairs, 2)
     u = _shr(w, 8).to(torch.float32).mul_(2.0**-24)
     radius = torch.log1p(-u[:, 0]).mul_(-2.0).sqrt_()  # 1 - u1 lies in (0, 1]: log is finite
     angle = u[:, 1].mul(2 * math.pi)
