@@ -88,3 +88,24 @@ def test_an_encoder_classifier_exports_with_its_tuned_head(tiny_workspace, tmp_p
     assert torch.allclose(_logits(plain, batch), _logits(setup.model, batch), atol=1e-5)
     missing = CliRunner().invoke(app, ["export", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")])
     assert missing.exit_code == 2 and "not a zofed run directory" in " ".join(missing.output.split())
+
+
+def test_an_export_fills_an_empty_out_but_never_one_that_filled_up_while_it_ran(tiny_workspace, tmp_path, monkeypatch):
+    from zofed.run import export
+
+    _trained(tiny_workspace, tmp_path / "run", "trainable.mode=patterns", "trainable.patterns=['norm\\.weight$']")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "model.safetensors" in export_run(tmp_path / "run", empty).files
+    out, load_run = tmp_path / "hf", export.load_run
+    out.mkdir()
+
+    def load_then_someone_writes(run_dir):  # `out` was empty when export looked, then a file appeared
+        setup = load_run(run_dir)
+        (out / "notes.txt").write_text("mine")
+        return setup
+
+    monkeypatch.setattr(export, "load_run", load_then_someone_writes)
+    with pytest.raises(ConfigError, match="hf is no longer empty; nothing was written over it"):
+        export_run(tmp_path / "run", out)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and not (tmp_path / "hf.partial").exists()

@@ -14,7 +14,6 @@ import hashlib
 import importlib.metadata
 import json
 import logging
-import os
 import shutil
 import tempfile
 import threading
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from zofed.atomic_files import publish_directory
 from zofed.models.catalog import BuiltinModel, ModelLoadError, cache_dir
 
 if TYPE_CHECKING:
@@ -248,12 +248,9 @@ def _build_gguf_cache(gguf: Path, target: Path, source: dict) -> None:
         }
         manifest = {"format": _MANIFEST_FORMAT, "source": source, "files": files}
         (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-
-        if target.exists():  # a corrupt cache: move it aside first, os.replace cannot overwrite a directory
-            discarded = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-old-", dir=target.parent))
-            os.replace(target, discarded / target.name)
-            shutil.rmtree(discarded, ignore_errors=True)
-        os.replace(staging, target)
+        # A corrupt cache waits beside it until the new one is in place; named like a staging directory, so the
+        # next build's lock clears it if a crash leaves it there.
+        publish_directory(staging, target, aside=target.with_name(f".{target.name}.tmp-old"))
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from zofed.atomic_files import publish_directory
 from zofed.data.tasks import PromptClassification
 from zofed.models.selection import LABEL_HEAD, label_head_rows, unwrap
 from zofed.run.config import ConfigError
@@ -51,11 +52,14 @@ def export_run(run_dir: str | Path, out: str | Path, *, merge: bool = False) -> 
         kind = "peft adapter" if lora else "full model"
     if not lora:
         _fold_label_head(setup)
-    model.save_pretrained(tmp)
-    setup.task.tokenizer.save_pretrained(tmp)
-    if out.exists():
-        out.rmdir()  # empty, checked above
-    tmp.rename(out)
+    try:
+        model.save_pretrained(tmp)
+        setup.task.tokenizer.save_pretrained(tmp)
+        publish_directory(tmp, out)  # over an empty `out` only: one that filled up meanwhile is kept
+    except FileExistsError as error:
+        raise ConfigError(f"{out} is no longer empty; nothing was written over it, choose a new --out") from error
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone once published; a failed export leaves no partial copy
     return Exported(out, kind, sorted(p.name for p in out.iterdir()))
 
 
