@@ -27,6 +27,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from zofed import streams
+from zofed.atomic_files import write_atomic_text
 
 from .dataset import TextDataset
 
@@ -389,5 +390,7 @@ def plot_partition(
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
+    write_atomic_text(path, png.getvalue())  # a run's output: whole or the previous one, even if killed
     return path

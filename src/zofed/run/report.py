@@ -10,6 +10,7 @@ left out of the spread (the panel too, when no run has one) and its table cells 
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from dataclasses import dataclass
@@ -159,7 +160,9 @@ def write_report(run_dirs: list[Path], out_dir: Path) -> tuple[Path, Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     png, md = out_dir / "report.png", out_dir / "report.md"
-    figure(runs).savefig(png, dpi=110)
+    image = io.BytesIO()
+    figure(runs).savefig(image, format="png", dpi=110)
+    write_atomic_text(png, image.getvalue())
     name = METRIC_NAMES[runs[0].metric]
     write_atomic_text(md, f"# zofed report\n\n![{name}, bytes, client spread]({png.name})\n\n{_markdown(runs)}")
     return png, md
