@@ -29,11 +29,10 @@ tensor-wise v can warm-start from the energy its first round is expected to carr
 supplies `expected_square`).
 
 The relative step makes lr a relative step size, so a small-valued tensor (a freshly drawn classifier head, std
-0.02) is not moved as far as a unit-scale gain. A tensor that starts at zero (LoRA's B) has no scale of its own:
-its own RMS would either give it a full absolute step (lr, ~50 times A's) or, once it is tiny, a growth of lr per
-round that never gets it anywhere. It is measured against the smallest scale among the nonzero trainable tensors
-(LoRA's A) until it outgrows it; a tensor at or above that floor keeps its own RMS, so sets without zero tensors
-step exactly as without the floor. Only when every tensor is zero does lr become absolute. The cosine
+0.02) is not moved as far as a unit-scale gain. A tensor that starts at zero (LoRA's B) has no scale of its own (its
+own RMS would give it a full absolute step, then steps too small to get it anywhere), so it is measured against a
+floor, the smallest RMS among the nonzero trainable tensors (LoRA's A), until it outgrows it; a set without zero
+tensors steps exactly as without the floor, and only when every tensor is zero does lr become absolute. The cosine
 schedule shrinks a normalized step that would otherwise keep its length when the update is mostly noise.
 
 Every mean square and RMS of the chain is taken by zo/reduce.py, in a fixed order: the step is the same bits at any
@@ -148,11 +147,10 @@ def _rms(tensors: Sequence[torch.Tensor]) -> list[float]:
 class TrustRatio:
     """Scales each tensor's step by the tensor's root mean square, floored at the smallest RMS of a nonzero
     trainable tensor (1 when every tensor is zero): its RMS now (`current`, LAMB's ratio), or the RMS it started
-    the run with (`start`, kept in the state). Against the current RMS, LoRA's B tensors go two ways (zofed's
-    instruction finals): the few that moved in the first round keep the floor their A's set and then step by their
-    own growing RMS (one reached 0.82 against A's 0.024), while a B first moved later sets a tiny new floor for the
-    next, and the floor fell to 1e-17 within 15 rounds: 4 to 6 of the 60 B tensors ever passed an RMS of 1e-3.
-    Against the starting scale every B is measured against its A's, and no step grows with its tensor."""
+    the run with (`start`, kept in the state). Against the current RMS a zero-started tensor (LoRA's B) first
+    moved late is measured against whatever tiny floor the other such tensors have set by then, and a tensor's
+    step grows with the tensor; against the starting scale every B is measured against its A's (docs/method.md,
+    relative steps)."""
 
     anchor: str = "current"  # current or start
     extras: frozenset[str] = frozenset()
@@ -263,8 +261,8 @@ class Kind:
     adaptive: bool  # has moments (relative steps, warm starts and granularity apply)
 
 
-# Adaptive server steps move each coordinate by about lr a round. 3e-3 matches what the same forward passes
-# move a coordinate in centralized MeZO at lr 3e-4 (|g| ~ 3.5, sqrt(12 steps) ~ 3.5): see docs/method.md.
+# Adaptive server steps move each coordinate by about lr a round: 3e-3 is about as far as centralized MeZO at
+# lr 3e-4 moves a coordinate with the same forward passes.
 # A method's own default (zofed: relative 1e-2 of a tensor's RMS) is in its `server_default`.
 SERVER_OPTIMIZERS: dict[str, Kind] = {
     "sgd": Kind(_sgd, 1.0, adaptive=False),
