@@ -47,7 +47,8 @@ class ServerOptimizerSection(_Section):
         lr = self.lr if self.lr is not None else (default.lr if same_step else SERVER_OPTIMIZERS[name].default_lr)
         settings = {"name": name, "lr": lr, "decay_rounds": rounds if self.decay == "cosine" else 0,
                     "relative": relative, "warm_start": self.warm_start}
-        if self.relative_to != "current":  # only a run that asks for it carries the key; others read as before
+        # only a run that asks for it carries the key, so the other runs' resolved settings do not change
+        if self.relative_to != "current":
             settings["relative_to"] = self.relative_to
         if SERVER_OPTIMIZERS[name].adaptive:
             settings.update(granularity=self.granularity or default.granularity, beta1=self.beta1, beta2=self.beta2,

@@ -27,11 +27,10 @@ from zofed.run.config import deep_merge
 
 Recipe = Literal["auto", "head", "none"]
 
-# The label head on cached features, with plain averaging and tail averaging on the server: what the demo's
-# federation and the ranking protocol's head rows settled on (docs/method.md). A client runs 8 of its examples
-# through the frozen model once a round, then takes 48 steps of 8 one-sided queries on their last hidden states
-# and sends the 384 scalars as float16 (about 910 bytes up, under zofed's 1 KB: as float32 they would take 1.7 KB;
-# 48 steps learned more on the tweets than 24, and the rounding changed none of their accuracies).
+# The label head on cached features, with plain averaging and tail averaging on the server (docs/method.md). A
+# client runs 8 of its examples through the frozen model once a round, then takes 48 steps of 8 one-sided queries
+# on their last hidden states; its 384 scalars travel as float16 so the uplink stays under zofed's 1 KB (as float32
+# they alone would take 1.5 KB).
 HEAD: dict[str, Any] = {
     "trainable": {"mode": "none", "label_head": True},
     "zo": {"queries": 8, "cache": "features"},

@@ -1,42 +1,23 @@
-"""Update screening: the server scores each client's update by the loss change it causes on a small probe set it
-holds, and refuses the updates that raise the loss by more than `federation.screen_threshold`.
+"""Update screening: the server scores each client's update on a small probe set it holds and refuses the updates
+whose score is above `federation.screen_threshold`. The guard is against updates that push the model somewhere
+harmful, whatever their size, and assumes nothing about how many clients lie. In a simulation the probe set is a
+seeded sample of the training data, standing in for the few examples a real server would hold.
 
-Three scores (`federation.screen_score`):
-- `alone`: loss(global + update) - loss(global). One forward pass of the probe batch a client (and the round one
-  more, at the global weights). Under strong label skew an honest client's update raises the loss on a balanced
-  probe set by itself, and a sign-flipped one may lower it: the score cannot tell them apart there.
-- `leave-one-out`: what the client's update does to the round, loss(global + mean of the kept updates) -
-  loss(global + the same mean without it). The worst client above the threshold is refused and the rest scored
-  again, until every kept update's score is at or below it: m + 1 probe passes a scoring, at most m(m+1)/2 + m
-  for m clients (20 for 5). An update that pulls the round's mean away from what the others agree on scores high,
-  unless another liar in the round pulls the same way: leaving one of two out still leaves the other. Measured
-  on the robustness benchmark, a zero threshold refused half of the honest uplinks and let colluding scaled
-  attackers through (docs/security.md): it needs a threshold above the honest scores' noise and clipping first.
-- `agreement`: whether the client's scalars agree with the probe set's. The server reads each step's directions from
-  the client's seeds (as it does to rebuild the update), and measures the probe loss's own directional derivative
-  along each at the round's start weights (one-sided, a probe pass per scalar and one for the round). The score is
-  minus the rank correlation between the client's scalars and those derivatives: an honest client's data pulls
-  somewhat the same way as the probe set's, and a client that flips its scalars' signs scores exactly the negative of
-  its honest self. The derivatives are read at the start, not along the client's replayed steps: replaying a flipped
-  uplink walks the flipped path, and derivatives read along it flip with the scalars, so a flipped client scored as
-  its honest self did (measured on AG News: docs/security.md). Over a round's hundreds of scalars a weak agreement
-  still shows, where a loss change of the whole update cannot: a flipped ZO update is noise, as an honest one is. Its
-  price: a probe pass for every scalar the client sent, which on a trainable label head over remembered features
-  costs little, and on a trainable set inside the model as much as the client's own steps.
-  Label skew needs one correction, on a trainable label head. Its rows all read one large common component of the
-  features (83% of their energy on AG News), and under skew a client's scalars are dominated by how it moves each
-  row along it: up for the classes it holds, which the balanced probe set may pull down. So with every block
-  frozen, both series are first regressed on each direction's component along that common feature (one
-  regressor per head row: the row's direction dotted with the probe features' mean direction) and the residuals
-  are correlated: what a client says about which features tell its classes apart, which a balanced probe set
-  says too. Measured on AG News at alpha 0.1 this lowers the share of honest uplinks that score above zero early
-  in a run from 44% to 26%, but the agreement fades as the model fits the probe set: over a whole run with 20%
-  sign flippers the screen refused 57% of the flipped uplinks and 40% of the honest ones, and lost 5.7 points
-  (docs/security.md). It suits federations whose clients' data resemble the probe set.
-
-The guard is against updates that push the model somewhere harmful, whatever their size; it needs no assumption
-about how many clients lie. In a simulation the probe set is a seeded sample of the training data, standing in for
-the few examples a real server would hold.
+Three scores (`federation.screen_score`); docs/security.md says what each catches and what it costs honest clients:
+- `alone`: loss(global + update) - loss(global), one probe pass a client and one for the round. Under strong label
+  skew an honest update may raise the loss on a balanced probe set and a sign-flipped one lower it.
+- `leave-one-out`: loss(global + mean of the kept updates) - loss(global + the same mean without it). The worst
+  client above the threshold is refused and the rest scored again, until every kept score is at or below it: at
+  most m(m+1)/2 + m probe passes for m clients. Two liars that pull the same way hide each other, and honest
+  scores are noisy, so it needs a threshold above that noise and clipping before it.
+- `agreement`: minus the rank correlation between the client's scalars and the probe loss's own directional
+  derivatives along the same directions (read from the client's seeds), taken one-sided at the round's start
+  weights: a probe pass per scalar and one for the round. A sign flipper scores the negative of its honest self.
+  The derivatives are read at the start because along the client's replayed steps they would flip with its
+  scalars. The rows of a trainable label head all read one large common feature, which under label skew
+  dominates a client's scalars; so with every block frozen both series are first regressed on each direction's
+  component along it (`head_common_mode`) and the residuals are correlated. The agreement fades as the model fits
+  the probe set: the score suits federations whose clients' data resemble it.
 """
 
 from __future__ import annotations
