@@ -2,8 +2,8 @@
 
 A run repeats bit for bit because each random choice draws from its own stream, derived from a seed and the
 coordinates of the choice (round, client, step). Two choices that drew from the same stream would be correlated
-(FedKSeed's seed picks once shared the stream of local step 7's batch), so every stream is made here, from a key
-no other stream can take (see `_key`):
+(a client's FedKSeed picks would follow one of its batches), so every stream is made here, from a key no other
+stream can take (see `_key`):
 
 | stream             | tag | arguments                      | used for                                        |
 |--------------------|-----|--------------------------------|-------------------------------------------------|

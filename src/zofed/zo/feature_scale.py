@@ -1,29 +1,28 @@
 """Noise shaped by the features each trainable coordinate multiplies (`zo.precondition: features`).
 
 A coordinate of a norm gain or a linear weight acts on one input feature, so its gradient scales with that
-feature's size. Decoder LMs carry a few "massive" feature channels (in SmolLM2-135M's top blocks, 2 of 576 with
-an RMS of 14-18 against a median of 0.57), and on AG News they hold 80-97% of the squared gradient in six of
-the nine top-4 gain tensors. Isotropic noise then spends each step's one scalar on those few steep
-coordinates, and every other coordinate's update is mostly noise. Drawing coordinate j's noise with scale
+feature's size. Decoder LMs carry a few "massive" feature channels far above the median, and the coordinates that
+read them hold most of the squared gradient: isotropic noise then spends each step's one scalar on those few
+steep coordinates, and every other coordinate's update is mostly noise. Drawing coordinate j's noise with scale
 1 / rms(feature j) (a diagonal Gauss-Newton preconditioner: the estimate's mean becomes P^2 g) lets the steps
 see the rest.
 
 The feature sizes are measured once, on random token sequences through the starting model: the massive channels
-are a property of the model, not of the data (the same channels, and log-RMS correlations of about 0.8 with
-AG News text, were measured), so no party's data is read and every party derives the same shape. The server
-pays the passes (`SETUP_PASSES` of `SEQUENCES` x `LENGTH` tokens) once; a deployment sends the shape down once.
+are a property of the model, not of the data, so no party's data is read and every party derives the same shape.
+The server pays the passes (`SETUP_PASSES` of `SEQUENCES` x `LENGTH` tokens) once; a deployment sends the shape
+down once.
 
 Per trainable tensor: an RMSNorm-like gain (a module with `variance_epsilon`) or `nn.LayerNorm` weight uses its
 normalized input; an `nn.Linear` weight (a LoRA A or B, a full projection) its input features along its columns;
 a prompt classifier's label head (trainable.label_head) the last hidden state the output projection reads, where
-the massive channels make a linear head's loss steep along a few of its 576 columns and flat along the rest;
+the massive channels make a linear head's loss steep along a few of its columns and flat along the rest;
 anything else keeps flat noise. Within a tensor the shape is median-relative, clipped to [1/32, 4] (a dead
 channel is not given a huge step) and scaled to a mean square of 1, so eps and each tensor's noise energy keep
 their meaning.
 
 The shape is not bit-exact across machines: the passes' matrix products sum in an order that depends on the
-device, the BLAS and the thread count (a tiny model measured at 1, 3 and 7 threads gave other last bits in a
-quarter of its tensors). So `zofed replay`, which would measure it again, refuses a run with such noise.
+device, the BLAS and the thread count. So `zofed replay`, which would measure it again, refuses a run with such
+noise.
 """
 
 from __future__ import annotations
