@@ -14,9 +14,9 @@ the header is a large share of it) and one [key, dtype, shape, byte length] entr
     downlink: r round_id, k config, a arrays
               arrays ss server_state, w weights
 
-Version 2 dropped what no method sent: the uplink's personalization vector and the downlink's mode, seeds and
-update log (every downlink carries the weights). Float16 scalars came later within version 2: every float32
-message stays as it was, and a receiver that predates them refuses a float16 one with a dtype error.
+Version 2 carries only what some method sends (every downlink carries the weights). Float16 scalars are optional
+within it: a float32 message is the same bytes either way, and a receiver without float16 scalars refuses a float16
+one with a dtype error.
 
 Decoding evaluates nothing: it parses JSON, compares each dtype string with the one its field requires and
 checks every length against the bytes at hand before reading, so untrusted bytes can only raise MessageError.

@@ -19,14 +19,13 @@ operation:
 `sgd` is the schedule alone (lr 1 is plain averaging of the updates); `adam`, `yogi` and `amsgrad` are moments,
 optionally the trust ratio (`relative`), then the schedule.
 
-Moments per `coordinate` keep v per coordinate (FedAdam, FedYogi, FedAMSGrad); per `tensor` they keep one v per
-trainable tensor, the mean of d^2 over it: the step keeps the direction inside a tensor and only sets each
-tensor's step size, which suits ZO pseudo-gradients (noise spread evenly over a tensor, which per-coordinate
-division would turn into sign noise). `global` keeps one v for the whole update (the mean of d^2 over every
-trainable value, kept in each tensor's slot): the step keeps the direction of the whole update, so tensors keep
-their relative step sizes, and only its length is set; a noisy tensor is not blown up to a full step. A
-tensor-wise v can warm-start from the energy its first round is expected to carry (`warm_start`; the method
-supplies `expected_square`).
+Moments per `coordinate` keep v per coordinate (FedAdam, FedYogi, FedAMSGrad). Per `tensor` they keep one v per
+trainable tensor, the mean of d^2 over it: the step keeps the direction inside a tensor and sets only its size,
+since a ZO pseudo-gradient's noise is spread evenly over a tensor and per-coordinate division would turn it into
+sign noise. `global` keeps one v for the whole update (the mean of d^2 over every trainable value, kept in each
+tensor's slot), so tensors keep their relative step sizes and only the update's length is set: a noisy tensor is not
+blown up to a full step. A tensor-wise v can warm-start from its first round's expected energy (`warm_start`; the
+method supplies `expected_square`).
 
 The relative step makes lr a relative step size, so a small-valued tensor (a freshly drawn classifier head, std
 0.02) is not moved as far as a unit-scale gain. A tensor that starts at zero (LoRA's B) has no scale of its own (its

@@ -1,8 +1,8 @@
 """FedAvg and FedAdam: clients back-propagate and upload their dense update.
 
-They are the accuracy ceiling and the cost a user pays today: back-propagation memory on every client, and an
-uplink as large as the trainable tensors. The server side is shared with the ZO methods: the mean of the dense
-updates is the pseudo-gradient of the server optimizer (sgd with lr 1 is FedAvg, adam is FedAdam).
+They are the baselines the ZO methods are measured against, at the cost a user pays today: back-propagation memory
+on every client, and an uplink as large as the trainable tensors. The server side is shared with the ZO methods: the
+mean of the dense updates is the pseudo-gradient of the server optimizer (sgd with lr 1 is FedAvg, adam is FedAdam).
 
 With every block frozen and the label head training, their clients step on cached features as the ZO clients do
 (zo.cache: features; `federation.recipe=head federation.method=fedavg` runs the head recipe this way). Of the
