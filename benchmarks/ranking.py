@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from calibrate import use_feature_store  # benchmarks/ is the script's own directory, so first on sys.path
 from ranking_protocol import (
+    PHASES,
     RESULTS,
     ROOT,
     check_names,
@@ -36,6 +37,7 @@ from ranking_protocol import (
     current_rows,
     pending_runs,
     per_client_round_cost,
+    phase_budget,
     protocol,
     rounds_for,
     row_digest,
@@ -96,7 +98,7 @@ def warm_features(pending: list[tuple], threads: int) -> None:
 
 def _identity(phase: str, table: str, row: str, dataset: str, alpha: float, seed: int, lr: float) -> dict:
     return {"phase": phase, "table": table, "row": row, "dataset": dataset, "alpha": alpha, "seed": seed, "lr": lr,
-            "budget": protocol().federation.budget, "protocol": row_digest(protocol(), table, row)}
+            "budget": phase_budget(protocol(), table, phase), "protocol": row_digest(protocol(), table, row, phase)}
 
 
 def zero_shot(phase: str, table: str, row: str, dataset: str, alpha: float, seed: int, lr: float) -> dict:
@@ -148,14 +150,15 @@ def _process(phase: str, table: str, row: str, dataset: str, alpha: float, seed:
     return {**run_one(phase, table, row, dataset, alpha, seed, lr), "torch_threads": threads}
 
 
-def dry_run(table: str, rows: list[str], datasets: list[str], pending: list[tuple]) -> None:
+def dry_run(table: str, phase: str, rows: list[str], datasets: list[str], pending: list[tuple]) -> None:
     """Each row's cost and rounds on each dataset, then the pending runs' keys, in the order they would run."""
     p = protocol()
+    budget = phase_budget(p, table, phase)
     for dataset in datasets:
         for row in rows:
-            cost, rounds = per_client_round_cost(table, row, dataset), rounds_for(table, row, dataset)
+            cost, rounds = per_client_round_cost(table, row, dataset), rounds_for(table, row, dataset, phase)
             print(f"{dataset} {row}: {cost:g} passes per client round, {rounds} rounds, "
-                  f"{rounds * p.federation.per_round * cost:g} of {p.federation.budget:g} passes")
+                  f"{rounds * p.federation.per_round * cost:g} of {budget:g} passes")
     for run in pending:
         print(row_key(*run))
 
@@ -163,7 +166,8 @@ def dry_run(table: str, rows: list[str], datasets: list[str], pending: list[tupl
 def main() -> None:
     p = protocol()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--phase", choices=["tune", "final"], default="tune")
+    parser.add_argument("--phase", choices=list(PHASES), default="tune",
+                        help="calibrate: a table's calibrate rows at max_multiple x the budget, to choose its budget")
     parser.add_argument("--table", default="head", help=f"one of {list(p.tables)}")
     parser.add_argument("--rows", nargs="*", help="rows of the table to run (default: all; e.g. leave out "
                         "fedavg-lora, ~20 min a run)")
@@ -188,7 +192,7 @@ def main() -> None:
     for note in notes:
         print(note, flush=True)
     if args.dry_run:
-        dry_run(args.table, rows, args.datasets, pending)
+        dry_run(args.table, args.phase, rows, args.datasets, pending)
         return
     if shared_data_dir() is None:
         print("skipped: ../shared/data not found (set ZOFED_SHARED_DATA to a folder holding the datasets)")

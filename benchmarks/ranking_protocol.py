@@ -50,6 +50,16 @@ class Federation(_Strict):
     evaluations: int = Field(gt=0)
 
 
+class Calibration(_Strict):
+    """How a table's budget is calibrated: its `calibrate` rows run once at max_multiple x the budget on `seeds`,
+    scored on validation along the way; the table's budget is the smallest multiple of the federation's at which
+    the best of them gains at least `gain` over the starting model on every dataset."""
+
+    max_multiple: int = Field(ge=1)
+    gain: float = Field(gt=0, lt=1)
+    seeds: list[int] = Field(min_length=1)
+
+
 class Seeds(_Strict):
     tune: list[int] = Field(min_length=3)  # a grid point on one seed carries ~2.4 points of standard error
     final: list[int] = Field(min_length=1)
@@ -83,6 +93,8 @@ class Table(_Strict):
     trainable: list[str]
     pass_fraction: str  # the share of the blocks a perturbed pass runs with the prefix cached, e.g. "4/30"
     rows: dict[str, Row] = Field(min_length=1)
+    budget: float | None = Field(None, gt=0)  # the table's own client compute (None: the federation's)
+    calibrate: list[str] = []  # the ZO rows `--phase calibrate` runs to choose the budget
 
     @model_validator(mode="after")
     def _fraction(self) -> Table:
@@ -105,6 +117,7 @@ class Protocol(_Strict):
     seeds: Seeds
     grids: dict[str, list[float]]
     tables: dict[str, Table] = Field(min_length=1)
+    calibration: Calibration | None = None
 
     @model_validator(mode="after")
     def _names(self) -> Protocol:
@@ -119,6 +132,12 @@ class Protocol(_Strict):
                 kind = "first-order" if row.method and get_method(row.method).first_order else "zo"
                 if row.grid is not None and (row.grid == "zo") != (kind == "zo"):
                     raise ValueError(f"table {table_name}, row {name}: a {kind} row on the {row.grid!r} grid")
+            for name in table.calibrate:
+                row = table.rows.get(name)
+                if row is None or row.grid != "zo":
+                    raise ValueError(f"table {table_name}: calibrate names {name!r}, which is not one of its ZO rows")
+            if table.calibrate and self.calibration is None:
+                raise ValueError(f"table {table_name} names calibrate rows but the protocol has no calibration")
         return self
 
 
@@ -173,12 +192,31 @@ def row_overrides(p: Protocol, table: str, row: str, dataset: str | None = None)
     return [*shape_overrides(p), *task, *trainable, *r.set, *method]
 
 
-def row_digest(p: Protocol, table: str, row: str) -> str:
-    """A short hash of what defines a row (its overrides without the dataset): a stored row whose digest differs
-    was run under another protocol. What the simulator remembers is no part of it (an engine detail that changes
-    no result)."""
-    text = json.dumps([row_overrides(p, table, row), p.federation.budget, p.tables[table].pass_fraction])
+def row_digest(p: Protocol, table: str, row: str, phase: str = "tune") -> str:
+    """A short hash of what defines a row (its overrides without the dataset, and its budget): a stored row whose
+    digest differs was run under another protocol. A calibration row keeps its digest when the table takes the
+    budget it chose. What the simulator remembers is no part of it (an engine detail that changes no result)."""
+    budget = p.federation.budget if phase == "calibrate" else table_budget(p, table)
+    text = json.dumps([row_overrides(p, table, row), budget, p.tables[table].pass_fraction])
     return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def table_budget(p: Protocol, table: str) -> float:
+    """The client compute every row of `table` spends (its own, once calibrated, else the federation's)."""
+    return p.tables[table].budget or p.federation.budget
+
+
+def phase_budget(p: Protocol, table: str, phase: str) -> float:
+    """What a run of `phase` spends: a calibration run goes max_multiple times as far as the table's budget."""
+    if phase == "calibrate":
+        if p.calibration is None:
+            raise SystemExit(f"{PROTOCOL.name} has no calibration section")
+        return p.calibration.max_multiple * p.federation.budget
+    return table_budget(p, table)
+
+
+def phase_seeds(p: Protocol, phase: str) -> list[int]:
+    return p.calibration.seeds if phase == "calibrate" and p.calibration else getattr(p.seeds, phase)
 
 
 def lr_key(p: Protocol, table: str, row: str) -> str:
@@ -227,17 +265,20 @@ def per_client_round_cost(table: str, row: str, dataset: str) -> float:
     return _cost(table, row, dataset)
 
 
-def rounds_for(table: str, row: str, dataset: str) -> int:
-    """The rounds the budget buys this row on `dataset` (0 for a row that trains nothing)."""
+def rounds_for(table: str, row: str, dataset: str, phase: str = "tune") -> int:
+    """The rounds the phase's budget buys this row on `dataset` (0 for a row that trains nothing)."""
     p = protocol()
     cost = per_client_round_cost(table, row, dataset)
-    return 0 if cost == 0 else max(1, int(p.federation.budget // (p.federation.per_round * cost)))
+    return 0 if cost == 0 else max(1, int(phase_budget(p, table, phase) // (p.federation.per_round * cost)))
 
 
 def grid(p: Protocol, table: str, row: str) -> list[float]:
     """The client lrs a row is tuned on (none for a row that trains nothing)."""
     r = p.tables[table].rows[row]
     return [] if r.grid is None else list(p.grids[r.grid])
+
+
+PHASES = ("calibrate", "tune", "final")
 
 
 def row_key(phase: str, table: str, row: str, dataset: str, alpha: float, seed: int, lr: float) -> str:
@@ -254,14 +295,16 @@ def is_current(p: Protocol, stored: dict) -> bool:
     table = p.tables.get(stored.get("table", ""))
     if table is None or stored.get("row") not in table.rows or stored.get("dataset") not in p.datasets:
         return False
-    if stored.get("alpha") not in p.federation.alphas or stored.get("phase") not in ("tune", "final"):
+    if stored.get("alpha") not in p.federation.alphas or stored.get("phase") not in PHASES:
         return False
-    if stored["seed"] not in getattr(p.seeds, stored["phase"]):
+    if stored["phase"] == "calibrate" and stored["row"] not in table.calibrate:
+        return False
+    if stored["seed"] not in phase_seeds(p, stored["phase"]):
         return False
     lrs = grid(p, stored["table"], stored["row"])
     if lrs and not any(abs(stored["lr"] - lr) <= 1e-12 * lr for lr in lrs):
         return False
-    return stored.get("protocol") == row_digest(p, stored["table"], stored["row"])
+    return stored.get("protocol") == row_digest(p, stored["table"], stored["row"], stored["phase"])
 
 
 def current_rows(p: Protocol, table: dict) -> tuple[list[dict], int]:
@@ -293,7 +336,9 @@ def pending_runs(p: Protocol, table: str, phase: str, rows: list[str], datasets:
     every row its first seed early), and notes on rows left out (a final without tuning rows). A run is the
     tuple (phase, table, row, dataset, alpha, seed, lr); a zero-shot row runs once per dataset, in the finals."""
     notes, runs = [], []
-    seeds = getattr(p.seeds, phase)
+    seeds = phase_seeds(p, phase)
+    if phase == "calibrate":
+        rows = [r for r in rows if r in p.tables[table].calibrate]
     for seed in seeds:
         for dataset in datasets:
             for alpha in p.federation.alphas if phase == "final" else p.federation.alphas[:1]:
@@ -301,7 +346,7 @@ def pending_runs(p: Protocol, table: str, phase: str, rows: list[str], datasets:
                     spec = p.tables[table].rows[row]
                     if spec.kind == "zero-shot":
                         points = [0.0] if phase == "final" and seed == seeds[0] else []
-                    elif phase == "tune":
+                    elif phase in ("tune", "calibrate"):
                         points = grid(p, table, row)
                     else:
                         c = chosen.get(setting_key(table, dataset, p.federation.alphas[0], row))
@@ -318,14 +363,19 @@ def pending_runs(p: Protocol, table: str, phase: str, rows: list[str], datasets:
 
 def run_overrides(p: Protocol, phase: str, table: str, row: str, dataset: str, alpha: float, seed: int,
                   lr: float, out: Path) -> list[str]:
-    """Every override of one run: the row's, then what the runner sets (lr, rounds, cadence, split, seed)."""
-    rounds = rounds_for(table, row, dataset)
-    runner = [f"data.evaluate_on={'validation' if phase == 'tune' else 'test'}",
+    """Every override of one run: the row's, then what the runner sets (lr, rounds, cadence, split, seed). A
+    calibration run evaluates twice per table budget's worth of rounds, so its curve reads off each multiple."""
+    rounds = rounds_for(table, row, dataset, phase)
+    every = max(1, rounds // p.federation.evaluations)
+    if phase == "calibrate" and rounds:
+        base = int(p.federation.budget // (p.federation.per_round * per_client_round_cost(table, row, dataset)))
+        every = max(1, base // 2)
+    runner = [f"data.evaluate_on={'test' if phase == 'final' else 'validation'}",
               f"federation.partition.alpha={alpha}", f"federation.partition.seed={seed}", f"train.seed={seed}",
               f"out_dir={out}"]
     if rounds:
         runner += [f"{lr_key(p, table, row)}={lr}", f"federation.rounds={rounds}",
-                   f"federation.eval_every={max(1, rounds // p.federation.evaluations)}"]
+                   f"federation.eval_every={every}"]
     return [*row_overrides(p, table, row, dataset), *runner]
 
 

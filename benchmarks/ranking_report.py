@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 from curve_plot import draw_seed_band, label_and_save  # benchmarks/ is the script's own directory
+from ranking_calibration import calibration_lines
 from ranking_protocol import (
     COMPONENTS,
     RESULTS,
@@ -22,6 +23,7 @@ from ranking_protocol import (
     protocol,
     rounds_for,
     setting_key,
+    table_budget,
     zofed_settings,
 )
 
@@ -204,7 +206,7 @@ def figure_lines(p: Protocol, table: str, dataset: str, alpha: float, rows: list
     if not groups:
         return []
     png = f"ranking_{table}_{dataset}_a{alpha}.png"
-    plot_curves(groups, f"{table}: {dataset}, alpha {alpha}, {p.federation.budget:,.0f} passes", RESULTS / png,
+    plot_curves(groups, f"{table}: {dataset}, alpha {alpha}, {table_budget(p, table):,.0f} passes", RESULTS / png,
                 zero_shot)
     return ["", f"![{table} {dataset}]({png})"]
 
@@ -271,7 +273,7 @@ def benchmarks_section(table: dict) -> str:
     finals = current_finals(rows)
     alpha = p.federation.alphas[0]
     lines = [f"Ranking ([docs/results/ranking.md](docs/results/ranking.md)), table {name}, "
-             f"{p.federation.budget:,.0f} passes of client compute, alpha {alpha}; test accuracy mean ± std (seeds):",
+             f"{table_budget(p, name):,.0f} passes of client compute, alpha {alpha}; test accuracy mean ± std (seeds):",
              ""]
     for dataset in p.datasets:
         by_row: dict[str, list[dict]] = {}
@@ -319,9 +321,12 @@ def write_report(table: dict) -> None:
         print(f"{old} stored rows belong to another protocol: left out of the report", flush=True)
     lines = ["# Ranking federated methods at equal client compute", "", *protocol_lines(p)]
     for name, t in p.tables.items():
-        mine = [r for r in rows if r["table"] == name]
-        lines += ["", f"## Table {name}: {t.title}", "", *settings_lines(p, name, mine), "",
-                  "Rows: " + ", ".join(f"{n} ({kind_of(p, name, n)})" for n in t.rows) + "."]
+        calibration = [r for r in rows if r["table"] == name and r["phase"] == "calibrate"]
+        mine = [r for r in rows if r["table"] == name and r["phase"] != "calibrate"]
+        budget = [f"Its own budget: {t.budget:,.0f} passes (calibrated below)."] if t.budget else []
+        lines += ["", f"## Table {name}: {t.title}", "", *settings_lines(p, name, mine), *budget, "",
+                  "Rows: " + ", ".join(f"{n} ({kind_of(p, name, n)})" for n in t.rows) + ".",
+                  *calibration_lines(p, name, calibration)]
         if not mine:
             lines += ["", "Not run yet."]
             continue

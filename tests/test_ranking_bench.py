@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import ranking_calibration as calibration  # noqa: E402
 import ranking_protocol as protocol  # noqa: E402
 import ranking_report as report  # noqa: E402
 
@@ -33,7 +34,7 @@ def _run_config(table: str, row: str, tmp_path: Path, phase: str = "tune"):
 
 
 def test_the_protocol_file_holds_at_most_ten_rows_a_table_on_the_named_datasets():
-    assert set(P.tables) == {"head", "top4"}
+    assert set(P.tables) == {"head", "top4", "top4-lora"}
     assert all(len(t.rows) <= 10 for t in P.tables.values())
     assert list(P.tables["head"].rows) == ["zero-shot", "zofed", "hiso", "decomfl", "fedkseed", "zo-seeds-plain",
                                            "fedavg-head", "fedavg-lora"]
@@ -129,6 +130,68 @@ def test_a_bad_protocol_file_is_refused_naming_the_problem(tmp_path):
         protocol.load_protocol(tmp_path / "lr.yaml")
     with pytest.raises(SystemExit, match="choose among"):
         protocol.check_names(P, "head", ["zofed", "zofed-q48"])
+    data = yaml.safe_load(protocol.PROTOCOL.read_text())
+    data["tables"]["top4"]["calibrate"] = ["hiso", "fedavg-top4"]
+    (tmp_path / "calibrate.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(SystemExit, match="calibrate names 'fedavg-top4', which is not one of its ZO rows"):
+        protocol.load_protocol(tmp_path / "calibrate.yaml")
+
+
+def test_calibration_runs_the_zo_baselines_to_the_largest_budget_and_evaluates_at_each_multiple(tmp_path):
+    cal = P.calibration
+    runs, notes = protocol.pending_runs(P, "top4", "calibrate", list(P.tables["top4"].rows), ["agnews"], set(), {})
+    assert not notes and {r[2] for r in runs} == set(P.tables["top4"].calibrate)
+    assert {r[5] for r in runs} == set(cal.seeds) and len(runs) == 4 * len(P.grids["zo"]) * len(cal.seeds)
+    overrides = dict(o.split("=", 1) for o in protocol.run_overrides(P, *runs[0], tmp_path))
+    rounds, base = protocol.rounds_for("top4", runs[0][2], "agnews", "calibrate"), protocol.rounds_for(
+        "top4", runs[0][2], "agnews")
+    cost = protocol.per_client_round_cost("top4", runs[0][2], "agnews")
+    assert int(overrides["federation.rounds"]) == rounds and overrides["data.evaluate_on"] == "validation"
+    assert cal.max_multiple * P.federation.budget - P.federation.per_round * cost < rounds * P.federation.per_round \
+        * cost <= cal.max_multiple * P.federation.budget
+    assert int(overrides["federation.eval_every"]) == base // 2  # two curve points per budget's worth of rounds
+
+
+def _calibration_run(row: str, lr: float, dataset: str, gains: list[float], start: float = 0.5) -> dict:
+    # a curve point every half budget, the accuracy reached by each multiple of the budget at its second point
+    curve = [[0.0, 0.0, 0, start]]
+    for m, gain in enumerate(gains, start=1):
+        curve += [[(m - 0.5) * P.federation.budget, 0.0, 0, start], [m * P.federation.budget - 1.0, 0.0, 0,
+                                                                      start + gain]]
+    return {"phase": "calibrate", "table": "top4", "row": row, "dataset": dataset, "alpha": 0.1, "seed": 0,
+            "lr": lr, "curve": curve, "final_accuracy": start + gains[-1],
+            "protocol": protocol.row_digest(P, "top4", row, "calibrate")}
+
+
+def test_the_calibrated_budget_is_the_smallest_multiple_at_which_the_best_baseline_gains_enough_everywhere():
+    lrs = P.grids["zo"]
+    gains = {"sst2": [0.01, 0.02, 0.04, 0.05], "agnews": [0.02, 0.035, 0.05, 0.06], "sst5": [0.002, 0.01, 0.031, 0.04]}
+    rows = []
+    for dataset, best in gains.items():
+        for row in P.tables["top4"].calibrate:
+            for lr in lrs:  # one row and lr reaches the best gains, every other stays behind
+                hit = row == "hiso" and lr == lrs[2]
+                rows.append(_calibration_run(row, lr, dataset, best if hit else [g / 2 for g in best]))
+    assert protocol.current_rows(P, {"rows": dict(enumerate(rows))})[1] == 0
+    assert calibration.calibrated_budget(P, "top4", rows) == 3 * P.federation.budget
+    lines = "\n".join(calibration.calibration_lines(P, "top4", rows))
+    assert f"| sst5 | +0.002 hiso {lrs[2]:g} | +0.010 hiso {lrs[2]:g} | +0.031 hiso" in lines
+    assert f"Calibrated budget: {3 * P.federation.budget:,.0f} passes." in lines
+    # a dataset still missing runs leaves the budget open; a dataset that never gains enough says so
+    assert calibration.calibrated_budget(P, "top4", rows[1:]) is None
+    low = [r if r["dataset"] != "sst5" else {**r, "curve": [[*pt[:3], 0.5] for pt in r["curve"]]} for r in rows]
+    assert calibration.calibrated_budget(P, "top4", low) is None
+    assert "No budget up to" in "\n".join(calibration.calibration_lines(P, "top4", low))
+
+
+def test_a_calibration_row_stays_current_when_its_table_takes_the_budget_it_chose():
+    data = yaml.safe_load(protocol.PROTOCOL.read_text())
+    data["tables"]["top4"]["budget"] = 3 * P.federation.budget
+    calibrated = protocol.Protocol.model_validate(data)
+    run = _calibration_run("hiso", P.grids["zo"][0], "agnews", [0.1] * P.calibration.max_multiple)
+    run["seed"] = P.calibration.seeds[0]
+    assert protocol.is_current(P, run) and protocol.is_current(calibrated, run)
+    assert protocol.row_digest(calibrated, "top4", "hiso") != protocol.row_digest(P, "top4", "hiso")  # tune rows move
 
 
 def test_pending_runs_go_by_seed_then_dataset_then_row_then_lr():
