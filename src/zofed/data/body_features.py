@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -39,11 +39,14 @@ def example_key(ids: Sequence[int] | np.ndarray) -> bytes:
 def fingerprint(model: torch.nn.Module, trainable_names: Sequence[str]) -> str:
     """A hash of the model's frozen tensors (names, shapes, dtypes, values): two models share remembered features
     only when their bodies compute the same thing."""
-    trainable = set(trainable_names)
+    trainable = set(trainable_names)  # what trains does not shape the features
+    return tensor_digest((name, t) for name, t in sorted(model.state_dict().items()) if name not in trainable)
+
+
+def tensor_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """A hash of named tensors: their names, shapes, dtypes and values, in the order given."""
     digest = hashlib.blake2b(digest_size=12)
-    for name, tensor in sorted(model.state_dict().items()):
-        if name in trainable:  # what trains does not shape the features
-            continue
+    for name, tensor in named:
         digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}".encode())
         digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

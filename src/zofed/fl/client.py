@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from zofed import streams
 from zofed.data.body_features import BodyFeatures
+from zofed.data.prefix_memo import PrefixMemo, prefix_tensors, simulation_memo
 from zofed.data.tasks import Encoded, Task, label_shift, shifted
 from zofed.fl.plan import LocalTraining
 from zofed.fl.protocol import ClientUpdate
@@ -37,6 +38,9 @@ class ClientContext:
     # the frozen body's remembered features (zo.cache: features): a client's round features are read from them
     # instead of rerun, which changes no bit (each row is computed alone either way); None: rerun each round
     body: BodyFeatures | None = None
+    # the frozen prefix's remembered rows (zo.cache: prefix in the in-process simulator, sim/engine.py): a step's
+    # capture pass reads them instead of running the frozen bottom; None: it runs the bottom
+    prefixes: PrefixMemo | None = None
 
 
 def load_tensors_(tensors: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
@@ -80,12 +84,30 @@ def client_cache(ctx: ClientContext, local: LocalTraining) -> PrefixCache | None
     if local.pass_fraction >= 1.0:
         return None
     start = first_trainable_layer(ctx.model, ctx.trainable.names)
-    cache = PrefixCache(ctx.model, start, ctx.task.full_vocabulary) if start is not None else None
+    cache = PrefixCache(ctx.model, start, ctx.task.full_vocabulary, ctx.prefixes) if start is not None else None
     if cache is None or abs(cache.fraction - local.pass_fraction) > 1e-9:
         raise ValueError(f"the round plan charges {local.pass_fraction:.4f} of a full pass per perturbed pass, "
                          "but on this client's model " + ("no block can start a cached pass" if cache is None
                                                           else f"one costs {cache.fraction:.4f}"))
     return cache
+
+
+def simulation_prefixes(ctx: ClientContext, pass_fraction: float, feature_cache: int,
+                        client_indices: Sequence[np.ndarray]) -> PrefixMemo | None:
+    """The memo a simulation keeps of its clients' prefixes, when their steps capture one (a prefix cache, no
+    remembered body features, no round features) and the rows of their examples fit the simulator's memory
+    (`simulation_memo`); None otherwise."""
+    if pass_fraction >= 1.0 or feature_cache or ctx.body is not None:
+        return None
+    start = first_trainable_layer(ctx.model, ctx.trainable.names)
+    if start is None:
+        return None
+    cache = PrefixCache(ctx.model, start)
+    below = {t.data_ptr() for _, t in prefix_tensors(cache)}
+    if any(p.data_ptr() in below for p in ctx.trainable.params):  # a tied tensor trains: the prefix moves
+        return None
+    examples = np.unique(np.concatenate([np.asarray(i, dtype=np.int64) for i in client_indices]))
+    return simulation_memo(cache, sum(len(ctx.train.input_ids[i]) for i in examples))
 
 
 @dataclass

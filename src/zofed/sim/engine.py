@@ -5,18 +5,21 @@ encoded and decoded: byte counts are measured, and validation runs as it would o
 is an index array into the shared encoded data and the method's small per-client state on the server. Client
 sampling, batches and seeds derive from (run seed, round, client, step): a run repeats bit for bit. A client whose
 training raises (a non-finite loss, say) is its round's rejected uplink, `client_error` with the exception's first
-line, as on Flower; the round goes on with the others, and a round with none keeps the model.
+line, as on Flower; the round goes on with the others, and a round with none keeps the model. With zo.cache: prefix
+the engine remembers what each example's frozen prefix gives (data/prefix_memo.py), which saves its time, not the
+compute a client is charged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from zofed.fl.client import ClientContext
+from zofed.fl.client import ClientContext, simulation_prefixes
 from zofed.fl.roles import ClientRole, ServerRole
 from zofed.fl.rounds import Failure, run_round
 
@@ -28,6 +31,26 @@ def client_error_reason(err: Exception, limit: int = 300) -> str:
     lines = str(err).strip().splitlines()
     reason = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
     return reason if len(reason) <= limit else reason[: limit - 3] + "..."
+
+
+@contextmanager
+def remembered_prefixes(client: ClientRole, server: ServerRole,
+                        client_indices: Sequence[np.ndarray]) -> Iterator[None]:
+    """While the rounds run, the clients' prefix memo (`simulation_prefixes`), shared by the honest and the
+    attacking view of the data (the same token ids); a role whose context already holds one keeps it."""
+    plan = server.plan
+    memo = None if client.ctx.prefixes is not None else simulation_prefixes(
+        client.ctx, plan.pass_fraction, plan.feature_cache, client_indices)
+    views = (client.ctx, client.attack_ctx)
+    if memo is not None:
+        for view in views:
+            view.prefixes = memo
+    try:
+        yield
+    finally:
+        if memo is not None:  # the rows are the simulation's: free them with it
+            for view in views:
+                view.prefixes = None
 
 
 @dataclass
@@ -60,15 +83,16 @@ def simulate(ctx: ClientContext, client_indices: Sequence[np.ndarray], server: S
         return replies
 
     result = SimulationResult(server.tensors)
-    for round_id in range(start_round, rounds):
-        record = run_round(server, round_id, deliver)
-        client.load_global(server.model_tensors())  # the model evaluated (clients start from their downlink)
-        if evaluate is not None:
-            record.update(evaluate(round_id + 1))
-        result.history.append(record)
-        if on_round is not None:  # the round's records first: a checkpoint never gets ahead of them
-            on_round(record)
-        if on_checkpoint is not None:
-            on_checkpoint(round_id + 1, server)
+    with remembered_prefixes(client, server, client_indices):
+        for round_id in range(start_round, rounds):
+            record = run_round(server, round_id, deliver)
+            client.load_global(server.model_tensors())  # the model evaluated (clients start from their downlink)
+            if evaluate is not None:
+                record.update(evaluate(round_id + 1))
+            result.history.append(record)
+            if on_round is not None:  # the round's records first: a checkpoint never gets ahead of them
+                on_round(record)
+            if on_checkpoint is not None:
+                on_checkpoint(round_id + 1, server)
     result.global_tensors = server.model_tensors()
     return result

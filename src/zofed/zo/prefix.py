@@ -11,6 +11,9 @@ The split works on transformers' decoder-only models whose backbone holds its bl
 norm in `norm` (Llama, Mistral, Qwen2, SmolLM2, ...): the capture pass records what the first trainable block
 is called with (hidden states, attention mask, rotary embeddings, positions) and stops; a perturbed pass calls
 the remaining blocks with exactly those arguments, so its output is the full forward's, bit for bit.
+
+A simulation that meets the same examples round after round may hand the cache a memo of their rows
+(data/prefix_memo.py): the capture pass then assembles the batch from rows each computed from its example alone.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -72,13 +75,21 @@ class Prefix:
     kwargs: dict[str, Any]
 
 
+class Memo(Protocol):
+    """Where a cache's capture pass reads remembered rows from (data/prefix_memo.py's PrefixMemo)."""
+
+    def capture(self, cache: PrefixCache, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Prefix: ...
+
+
 class PrefixCache:
     """Splits one model's forward pass at block `start`. With `output_layer` every perturbed pass also runs the
     model's output layer in full (a causal LM's loss reads the logits of the whole vocabulary), and its cost counts
     that layer."""
 
-    def __init__(self, model: torch.nn.Module, start: int, output_layer: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, start: int, output_layer: bool = False,
+                 memo: Memo | None = None) -> None:
         self.backbone = _backbone(model)
+        self.memo = memo  # remembered rows the capture pass reads instead of running the bottom (None: it runs)
         self.layers = self.backbone.layers
         if not 0 <= start <= len(self.layers):
             raise ValueError(f"the model has {len(self.layers)} blocks; cannot start a cached pass at block {start}")
@@ -94,11 +105,49 @@ class PrefixCache:
             head = self.output_layer.weight.numel()
             self.fraction = (sum(sizes[start:]) + head) / (sum(sizes) + head)
 
-    @torch.no_grad()
     def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Prefix:
+        """What block `start` receives for this batch: from the memo's rows when the cache has one, else from
+        running the frozen bottom once (`run_bottom`)."""
+        if self.memo is not None:
+            return self.memo.capture(self, input_ids, attention_mask)
+        return self.run_bottom(input_ids, attention_mask)
+
+    @property
+    def target(self) -> torch.nn.Module:
+        """The module whose inputs a capture keeps: block `start`, or the final norm when every block is frozen."""
+        return self.layers[self.start] if self.start < len(self.layers) else self.backbone.norm
+
+    def run_bottom(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Prefix:
         """Run the blocks below `start` once (the frozen bottom) and keep what block `start` receives (the final
         norm, when every block is frozen)."""
-        target = self.layers[self.start] if self.start < len(self.layers) else self.backbone.norm
+        return self._call_of(self.target, input_ids, attention_mask)
+
+    def with_hidden(self, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Prefix:
+        """The batch's prefix when what block `start` receives as hidden states is known (`hidden`, batch x
+        positions x width, e.g. remembered rows): the rest of its call (attention mask, positions, rotary
+        embeddings) is the first block's, which a pass over the embeddings alone gives, as the backbone calls
+        every block with the same arguments (`shares_block_arguments`)."""
+        if self.start == len(self.layers):  # the final norm reads the hidden states alone
+            return Prefix((hidden,), {})
+        if not self.shares_block_arguments():
+            raise ValueError(f"this model calls block {self.start} with other arguments than block 0 (its "
+                             "config.layer_types differ): a prefix cannot be rebuilt from the first block's call")
+        first = self._call_of(self.layers[0], input_ids, attention_mask)
+        if first.args:
+            return Prefix((hidden, *first.args[1:]), first.kwargs)
+        return Prefix((), {**first.kwargs, "hidden_states": hidden})
+
+    def shares_block_arguments(self) -> bool:
+        """Whether block `start` is called with the first block's arguments but the hidden states: so in a backbone
+        whose blocks all attend alike; one mixing kinds (config.layer_types, e.g. sliding-window blocks) passes
+        each kind its own mask."""
+        kinds = getattr(getattr(self.backbone, "config", None), "layer_types", None)
+        return not kinds or self.start >= len(self.layers) or kinds[0] == kinds[self.start]
+
+    @torch.no_grad()
+    def _call_of(self, target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Prefix:
+        """What `target` (a block or the final norm) is called with in a forward pass of this batch, which stops
+        there."""
         seen: dict[str, Any] = {}
 
         def hook(module, args, kwargs):
@@ -113,7 +162,8 @@ class PrefixCache:
         finally:
             handle.remove()
         if "args" not in seen:
-            raise RuntimeError(f"the forward pass never reached block {self.start}: cannot cache its prefix")
+            raise RuntimeError(f"the forward pass never reached its {type(target).__name__}: cannot cache the "
+                               f"prefix of block {self.start}")
         return Prefix(seen["args"], seen["kwargs"])
 
     @torch.no_grad()

@@ -1,0 +1,156 @@
+"""Remembered prefixes: with zo.cache: prefix, what the first trainable block receives for an example never changes
+during a run, so the in-process simulator runs each example through the frozen bottom once and later steps on it run
+only the top blocks.
+
+A row is the hidden states at every position of one example, run alone at its own length: it never depends on the
+batch that first met it, so a resumed run, or one whose clients draw other batches, reads the same bits. A step
+assembles its batch from the rows, zero-padded on the right as the batch's collate pads (a padded position is a key
+no real position attends to), and takes the rest of block `start`'s call (attention mask, positions, rotary
+embeddings) from a pass over the embeddings alone (`PrefixCache.with_hidden`). A row differs from the same example
+inside a padded batch in its last bits (the reductions run over other shapes), so a run with the memo ends within
+rounding of one without it, not bit for bit.
+
+Rows belong to one model's prefix: the fingerprint hashes the tensors below the split. It is taken when the first
+row is computed and again whenever one of those tensors was written since (a tensor's version counter moved); rows
+of other weights are dropped. A memo is never handed the split of a model whose prefix computes something else.
+
+This saves the simulator's time, not a client's: the compute a run reports is still what each client would run,
+its capture pass included (`forward_equivalents`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
+from itertools import chain
+
+import torch
+
+from zofed.data.body_features import example_key, tensor_digest
+from zofed.zo.prefix import Prefix, PrefixCache
+
+# the most memory the simulator spends on remembered rows: beyond it, steps run the frozen bottom as without a memo
+MEMO_CAP_BYTES = 4 << 30
+_BLOCK = re.compile(r"^layers\.(\d+)\.")
+
+logger = logging.getLogger("zofed.sim")
+
+
+def prefix_tensors(cache: PrefixCache) -> list[tuple[str, torch.Tensor]]:
+    """The backbone's tensors that shape what block `start` receives, by name: all but those of the blocks from
+    `start` up and of the final norm."""
+    named = chain(cache.backbone.named_parameters(), cache.backbone.named_buffers())
+    kept = []
+    for name, tensor in named:
+        block = _BLOCK.match(name)
+        if name.startswith("norm.") or (block is not None and int(block.group(1)) >= cache.start):
+            continue
+        kept.append((name, tensor))
+    return sorted(kept, key=lambda item: item[0])
+
+
+def row_bytes(cache: PrefixCache, tokens: int) -> int:
+    """The memory `tokens` positions of remembered rows take: one hidden state each."""
+    embeddings = cache.backbone.get_input_embeddings()
+    return tokens * embeddings.embedding_dim * embeddings.weight.element_size()
+
+
+def right_padded_lengths(attention_mask: torch.Tensor) -> list[int]:
+    """Each row's real length, for a mask whose rows are ones then zeros (right padding); a ValueError otherwise,
+    as the rows would not sit where a remembered row is put."""
+    lengths = attention_mask.sum(1)
+    expected = torch.arange(attention_mask.shape[1], device=attention_mask.device)[None] < lengths[:, None]
+    if not torch.equal(attention_mask.bool(), expected):
+        raise ValueError("remembered prefixes need right-padded batches (each mask row ones, then zeros)")
+    return lengths.tolist()
+
+
+class PrefixMemo:
+    """What block `start` of one model receives for every example seen (all its positions, computed from the
+    example alone), kept in memory. `PrefixCache(memo=...)` reads it in its capture pass."""
+
+    def __init__(self) -> None:
+        self.rows: dict[bytes, torch.Tensor] = {}
+        self.bytes = 0  # the memory the rows take
+        self.computed = 0  # rows run through the frozen bottom (the rest of a batch's rows were remembered)
+        self.dropped = 0  # times the rows were dropped because the frozen weights below the split changed
+        self.fingerprint: str | None = None  # of the tensors below the split (None: no row yet)
+        self._cache: PrefixCache | None = None
+        self._tensors: list[tuple[str, torch.Tensor]] = []
+        self._versions: list[tuple[int, int]] = []
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @torch.no_grad()
+    def capture(self, cache: PrefixCache, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Prefix:
+        """The batch's prefix at `cache`'s split, assembled from the rows of its examples (computing those not seen
+        yet, each alone)."""
+        self._check(cache)
+        lengths = right_padded_lengths(attention_mask)
+        ids = input_ids.tolist()
+        rows = [self._row(cache, row[:n], input_ids.device) for row, n in zip(ids, lengths, strict=True)]
+        hidden = rows[0].new_zeros((len(rows), input_ids.shape[1], rows[0].shape[-1]))
+        for k, row in enumerate(rows):
+            hidden[k, : len(row)] = row
+        return cache.with_hidden(hidden, input_ids, attention_mask)
+
+    def _row(self, cache: PrefixCache, ids: Sequence[int], device: torch.device) -> torch.Tensor:
+        key = example_key(ids)
+        row = self.rows.get(key)
+        if row is None:
+            alone = torch.as_tensor([list(ids)], dtype=torch.long, device=device)
+            prefix = cache.run_bottom(alone, torch.ones_like(alone))
+            row = (prefix.args[0] if prefix.args else prefix.kwargs["hidden_states"])[0]
+            self.rows[key] = row
+            self.bytes += row.numel() * row.element_size()
+            self.computed += 1
+        return row
+
+    def _check(self, cache: PrefixCache) -> None:
+        """Bind the memo to `cache`'s split on first use; afterwards refuse a split whose prefix computes something
+        else, and drop the rows when the tensors below the split were changed."""
+        if self._cache is None or cache.backbone is not self._cache.backbone:
+            tensors = prefix_tensors(cache)
+            digest = tensor_digest(tensors)
+            if self._cache is not None and (cache.start != self._cache.start or digest != self.fingerprint):
+                raise ValueError(f"this memo holds the inputs of block {self._cache.start} of a model whose frozen "
+                                 f"prefix hashes to {self.fingerprint}; the cache splits at block {cache.start} of "
+                                 f"one hashing to {digest}: its rows would be another model's")
+            self._cache, self._tensors, self.fingerprint = cache, tensors, digest
+            self._versions = _versions(tensors)
+        elif cache.start != self._cache.start:
+            raise ValueError(f"this memo holds the inputs of block {self._cache.start}, not of block {cache.start}")
+        elif _versions(self._tensors) != self._versions:  # a tensor below the split was written: hash it again
+            digest = tensor_digest(self._tensors)
+            if digest != self.fingerprint:
+                logger.info("the frozen weights below block %d changed: %d remembered prefixes dropped",
+                            cache.start, len(self.rows))
+                self.rows.clear()
+                self.bytes = 0
+                self.dropped += 1
+                self.fingerprint = digest
+            self._versions = _versions(self._tensors)
+
+
+def _versions(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[int, int]]:
+    """Where each tensor's values live and how often they were written in place: a cheap test of "unchanged"."""
+    return [(t.data_ptr(), t._version) for _, t in tensors]
+
+
+def simulation_memo(cache: PrefixCache, tokens: int, cap: int = MEMO_CAP_BYTES) -> PrefixMemo | None:
+    """A memo for a simulation whose clients hold `tokens` tokens in all; None, said once in the log, when their
+    rows could take more than `cap` bytes, or when the model's blocks are not all called alike (the batch's call
+    of block `start` could not be rebuilt)."""
+    need = row_bytes(cache, tokens)
+    if need > cap:
+        logger.info("the frozen prefix of the clients' %d tokens would take %.2f GiB to remember, more than the "
+                    "%.2f GiB the simulator spends: every step runs its batch through the frozen bottom",
+                    tokens, need / 2**30, cap / 2**30)
+        return None
+    if not cache.shares_block_arguments():
+        logger.info("this model calls its blocks with different masks (config.layer_types): every step runs its "
+                    "batch through the frozen bottom, none is remembered")
+        return None
+    return PrefixMemo()
