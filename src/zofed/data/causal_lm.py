@@ -145,8 +145,9 @@ class CausalLM(Task):
     def cached_loss(self, model: torch.nn.Module, cache: PrefixCache, batch: Batch,
                     shift: torch.Tensor | None = None, *, body: BodyFeatures | None = None) -> Callable[[], float]:
         """The batch's response loss as a function of the trainable top blocks only: the frozen bottom runs once,
-        here, and each call runs the blocks from the cache's split up, the final norm and the output layer (at the
-        scored positions only; the cache's cost still counts it at every position, an upper bound)."""
+        here (or is read from the simulator's prefix memo), and each call runs the blocks from the cache's split
+        up, the final norm and the output layer (at the scored positions only; the cache's cost still counts it at
+        every position, an upper bound)."""
         refuse_body(body, self.config.type)
         if shift is not None:
             raise ValueError("a logit shift (federation.logit_adjust) needs a classification task, not causal-lm")

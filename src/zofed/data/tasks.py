@@ -339,8 +339,8 @@ class PromptClassification(Task):
 
     def cached_loss(self, model: torch.nn.Module, cache: PrefixCache, batch: Batch,
                     shift: torch.Tensor | None = None, *, body: BodyFeatures | None = None) -> Callable[[], float]:
-        """The batch's loss as a function of the trainable top blocks only: the frozen bottom runs once, here, or
-        not at all when `body` (every block frozen) remembers its rows."""
+        """The batch's loss as a function of the trainable top blocks only: the frozen bottom runs once, here (or
+        is read from the simulator's prefix memo), or not at all when `body` (every block frozen) remembers its rows."""
         if body is not None:
             return self.feature_loss_fn(model, cache, self._batch_rows(body, batch), batch.labels, shift)
         prefix = cache.capture(batch.input_ids, batch.attention_mask)
