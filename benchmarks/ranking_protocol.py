@@ -21,7 +21,7 @@ from zofed.fl.methods import get_method
 from zofed.run.config import load_config
 from zofed.run.federated import model_shares
 from zofed.run.federated_config import FederatedConfig, federation_plan
-from zofed.run.setup import build_model
+from zofed.run.setup import build_model, prefix_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
@@ -229,20 +229,25 @@ def base_config(p: Protocol, table: str, row: str, dataset: str | None = None) -
     return load_config(None, row_overrides(p, table, row, dataset), schema=FederatedConfig)
 
 
-def pass_fraction(p: Protocol, table: str, config: FederatedConfig) -> float:
-    """The share of the blocks a perturbed pass runs: the table's when the prefix is cached, else all of them."""
-    return p.tables[table].fraction if config.zo.cache != "none" else 1.0
+def pass_fraction(p: Protocol, table: str, config: FederatedConfig, splits: bool) -> float:
+    """The share of the blocks a perturbed pass runs: the table's when the prefix is cached (zo.cache prefix, or
+    auto where the model splits above its lowest block, `splits`), else all of them."""
+    cached = config.zo.cache in ("prefix", "features") or (config.zo.cache == "auto" and splits)
+    return p.tables[table].fraction if cached else 1.0
 
 
 @cache
-def _model_shares(model: str, task: str, trainable: str, classes: int) -> tuple[tuple[str, float], ...]:
+def _model_shares(model: str, task: str, trainable: str, classes: int) -> tuple[tuple[tuple[str, float], ...], bool]:
     """The cost rule's shares of a full pass for a task and trainable set (JSON of the config's sections) and a
-    label count, measured from the model's weights as a run measures them (run/federated.py `model_shares`)."""
+    label count, measured from the model's weights as a run measures them (run/federated.py `model_shares`), and
+    whether zo.cache auto caches a prefix there (run/setup.py `prefix_cache`)."""
     config = load_config(None, [f"model.name={model}"], schema=FederatedConfig)
     config = config.model_copy(update={"task": type(config.task).model_validate_json(task),
                                        "trainable": type(config.trainable).model_validate_json(trainable)})
     built, selected, head = build_model(config, classes, torch.device("cpu"), [f"label{i}" for i in range(classes)])
-    return tuple(model_shares(built, selected.names, head).items())
+    auto = config.model_copy(update={"zo": config.zo.model_copy(update={"cache": "auto"})})
+    splits = prefix_cache(auto, built, selected, head) is not None
+    return tuple(model_shares(built, selected.names, head).items()), splits
 
 
 @cache
@@ -250,9 +255,9 @@ def _cost(table: str, row: str, dataset: str) -> float:
     p = protocol()
     config = base_config(p, table, row, dataset)
     classes = len(config.task.verbalizer or [])
-    shares = dict(_model_shares(config.model.name, config.task.model_dump_json(), config.trainable.model_dump_json(),
-                                classes))
-    plan = federation_plan(config, p.federation.clients, pass_fraction(p, table, config), **shares)
+    shares, splits = _model_shares(config.model.name, config.task.model_dump_json(),
+                                   config.trainable.model_dump_json(), classes)
+    plan = federation_plan(config, p.federation.clients, pass_fraction(p, table, config, splits), **dict(shares))
     method = get_method(config.federation.method)
     return method.forward_passes(get_method(plan.method).round_plan(plan.round(0), plan.sampling))
 

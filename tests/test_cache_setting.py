@@ -1,5 +1,6 @@
-"""One caching setting, zo.cache (none | prefix | features): the keys it replaced are refused with a message naming
-it, in a user's config and in a run directory's stored config alike."""
+"""One caching setting, zo.cache (auto | none | prefix | features): the keys it replaced are refused with a message
+naming it, in a user's config and in a run directory's stored config alike; auto caches the frozen prefix wherever
+the model and the trainable set allow it."""
 
 import pytest
 import yaml
@@ -8,7 +9,7 @@ from toy_federation import tiny_federated_config
 from zofed.run.config import ConfigError, FinetuneConfig, load_config
 from zofed.run.federated import run_federated
 from zofed.run.federated_config import FederatedConfig
-from zofed.run.setup import load_run
+from zofed.run.setup import build, load_run
 
 RETIRED = {
     "zo.prefix_cache=true": "zo.prefix_cache was replaced by zo.cache: prefix",
@@ -31,7 +32,7 @@ def test_a_retired_key_is_refused_naming_what_replaced_it(override):
 
 def test_cached_examples_default_to_one_batch_and_only_go_with_cached_features():
     plain = load_config(None, ["federation.recipe=none"], schema=FederatedConfig)
-    assert (plain.zo.cache, plain.federation.cached_examples, plain.feature_cache()) == ("none", None, 0)
+    assert (plain.zo.cache, plain.federation.cached_examples, plain.feature_cache()) == ("auto", None, 0)
     one_batch = load_config(None, ["trainable.mode=none", "trainable.label_head=true", "zo.cache=features",
                                    "train.batch_size=6"], schema=FederatedConfig)
     assert one_batch.feature_cache() == 6
@@ -62,3 +63,29 @@ def test_a_run_directory_stored_with_a_retired_key_is_refused_on_resume_and_load
     with pytest.raises(ConfigError, match="zo.prefix_cache was replaced by zo.cache: prefix"):
         run_federated(config.model_copy(update={"federation": config.federation.model_copy(
             update={"rounds": 2})}), resume=True, show_progress=False)
+
+
+def test_auto_caches_the_prefix_where_the_trainable_set_lies_above_the_lowest_block(tiny_workspace, tmp_path):
+    def cached(*overrides: str) -> float | None:
+        setup = build(tiny_federated_config(tiny_workspace, tmp_path / "x", *overrides))
+        return None if setup.cache is None else setup.pass_fraction
+
+    layers = "trainable.lora_layers=[-1]"
+    top = cached(layers)
+    assert top is not None and 0 < top < 1  # LoRA in the top block: the bottom runs once a batch
+    assert cached(layers, "zo.cache=prefix") == top
+    assert cached(layers, "zo.cache=none") is None
+    assert cached() is None  # LoRA in every block: nothing below to cache, so auto caches nothing
+    assert cached("trainable.mode=none", "trainable.label_head=true") == 0.0  # every block frozen
+    # where a prefix cannot be cached (the embeddings train) auto falls back to none; prefix asked for says why
+    assert cached("trainable.mode=all") is None
+    with pytest.raises(ConfigError, match="zo.cache: prefix needs a decoder-only model .* none in the embeddings"):
+        cached("trainable.mode=all", "zo.cache=prefix")
+
+
+def test_a_run_with_auto_counts_the_cached_passes_and_learns_what_the_uncached_run_learns(tiny_workspace, tmp_path):
+    runs = {cache: run_federated(tiny_federated_config(tiny_workspace, tmp_path / cache, "trainable.lora_layers=[-1]",
+                                                       f"zo.cache={cache}"), show_progress=False)
+            for cache in ("auto", "none")}
+    assert runs["auto"]["forward_passes"] < runs["none"]["forward_passes"]
+    assert runs["auto"]["test"]["loss"] == pytest.approx(runs["none"]["test"]["loss"], rel=1e-4)

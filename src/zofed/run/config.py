@@ -85,11 +85,14 @@ class ZOSection(_Section):
     estimator: Literal["central", "forward"] | None = None
     # What is computed once and reused. prefix: the frozen blocks below the first trainable one run once per
     # batch, and only the blocks above for each perturbed pass (zo/prefix.py): a step then costs (1 - f) + 2 q f
-    # forward passes, f the share of blocks run. features: every block frozen (the label head alone); a federated
-    # client runs federation.cached_examples of its examples through the model once a round and steps on their
-    # last hidden states. The in-process simulator then remembers each example's body features across rounds and
-    # clients by itself (ZOFED_FEATURE_STORE=DIR keeps them across runs); that saves its time and changes no result.
-    cache: Literal["none", "prefix", "features"] = "none"
+    # forward passes, f the share of blocks run; the losses are the full pass's. auto (the default): prefix
+    # wherever the model and task allow it and it saves compute (a decoder whose trainable tensors all lie above
+    # its lowest block), else none. features: every block frozen (the label head alone); a federated client runs
+    # federation.cached_examples of its examples through the model once a round and steps on their last hidden
+    # states. The in-process simulator remembers what it can across rounds by itself (each example's prefix, or
+    # its body features; ZOFED_FEATURE_STORE=DIR keeps the latter across runs); that saves its time, not a
+    # client's, and the compute counted is each client's.
+    cache: Literal["auto", "none", "prefix", "features"] = "auto"
     # features: each coordinate's noise scaled by 1 / RMS of the input feature it multiplies, measured once on
     # random tokens through the starting model (zo/feature_scale.py); none: the same scale for every coordinate
     precondition: Literal["none", "features"] = "none"
@@ -98,7 +101,7 @@ class ZOSection(_Section):
     @classmethod
     def _retired(cls, data: Any) -> Any:
         return refuse_retired(data, {"prefix_cache": lambda v: "zo.prefix_cache was replaced by zo.cache: prefix "
-                                                               "(zo.cache: none | prefix | features)"})
+                                                               "(zo.cache: auto | none | prefix | features)"})
 
     def resolved_estimator(self, method: str | None) -> str:
         """The estimator a run uses: the set one, else the federated method's default, else central."""

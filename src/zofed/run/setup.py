@@ -169,17 +169,24 @@ def build_model(config: FinetuneConfig, num_classes: int | None, device: torch.d
 
 def prefix_cache(config: FinetuneConfig, model: torch.nn.Module, trainable: TrainableParams,
                  task: Task) -> PrefixCache | None:
-    """The split of the model at its first trainable block, when `zo.cache` asks for one (prefix or features)."""
+    """The split of the model at its first trainable block, when `zo.cache` asks for one (prefix or features),
+    or, with auto, wherever the model and task allow one that runs less than the whole model."""
     if config.zo.cache == "none":
         return None
+    auto = config.zo.cache == "auto"
     if config.task.type not in ("prompt-classification", "causal-lm"):
+        if auto:
+            return None
         raise ConfigError(f"zo.cache: {config.zo.cache} works with task.type prompt-classification or causal-lm, "
                           f"not {config.task.type}")
     start = first_trainable_layer(model, trainable.names)
     if start is None:
+        if auto:
+            return None
         raise ConfigError(f"zo.cache: {config.zo.cache} needs a decoder-only model (blocks in `layers`, a final "
                           "`norm`) whose trainable tensors all lie in its blocks or above them, none in the embeddings")
-    return PrefixCache(model, start, output_layer=task.full_vocabulary)
+    cache = PrefixCache(model, start, output_layer=task.full_vocabulary)
+    return None if auto and cache.fraction >= 1.0 else cache
 
 
 def body_memo(config: FinetuneConfig, model: torch.nn.Module, trainable: TrainableParams,
