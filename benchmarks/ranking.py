@@ -35,6 +35,7 @@ from ranking_protocol import (
     check_names,
     choices,
     current_rows,
+    is_current,
     pending_runs,
     per_client_round_cost,
     phase_budget,
@@ -48,6 +49,7 @@ from ranking_report import write_report
 from row_pool import record_rows, run_rows
 from safetensors import safe_open
 
+from zofed.atomic_files import write_atomic_text
 from zofed.data.builtin import shared_data_dir
 from zofed.data.partition import client_splits
 from zofed.data.tasks import by_length
@@ -175,10 +177,13 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads per run")
     parser.add_argument("--dry-run", action="store_true", help="list the pending runs, each row's rounds and cost")
-    parser.add_argument("--table-only", action="store_true", help="rewrite the report from the JSON; run nothing")
+    parser.add_argument("--table-only", action="store_true", help="rewrite the report from the JSON, leaving out of "
+                        "the JSON the rows of another protocol (git keeps them); run nothing")
     args = parser.parse_args()
     table = json.loads(TABLE.read_text()) if TABLE.is_file() else {"meta": {}, "rows": {}}
     if args.table_only:
+        table["rows"] = {key: row for key, row in table["rows"].items() if is_current(p, row)}
+        write_atomic_text(TABLE, json.dumps(table, indent=2))
         write_report(table)
         return
     check_names(p, args.table)
