@@ -54,12 +54,13 @@ def current_finals(rows: list[dict]) -> list[dict]:
 
 
 def kind_of(p: Protocol, table: str, row: str) -> str:
-    """zero-shot, zofed, zo (a ZO baseline) or first-order."""
+    """zero-shot, zofed (the judged row), ablation (zofed with a component off), zo (a ZO baseline) or
+    first-order."""
     spec = p.tables[table].rows[row]
     if spec.kind == "zero-shot":
         return "zero-shot"
     if spec.method == "zofed":
-        return "zofed"
+        return "zofed" if row == "zofed" else "ablation"
     return "first-order" if get_method(spec.method).first_order else "zo"
 
 

@@ -74,6 +74,19 @@ def test_the_head_baselines_differ_from_zofed_only_in_the_method(tmp_path):
             assert (trainable.mode, trainable.label_head) == ("none", True), row
 
 
+def test_an_ablation_is_zofed_with_one_component_off_and_is_never_the_judged_row(tmp_path):
+    for table in ("top4", "top4-lora"):
+        zofed = flatten(_run_config(table, "zofed", tmp_path).model_dump())
+        for row, keys in {"zofed-no-sampling": {"federation.sampling.personalize"},
+                          "zofed-plain-server": {"federation.server_optimizer.name",
+                                                 "federation.server_optimizer.lr"}}.items():
+            other = flatten(_run_config(table, row, tmp_path).model_dump())
+            assert {k for k in zofed if zofed[k] != other[k]} - {"federation.rounds", "federation.eval_every"} \
+                == keys, (table, row)
+            assert report.kind_of(P, table, row) == "ablation"
+        assert report.kind_of(P, table, "zofed") == "zofed"
+
+
 def test_fedavg_on_the_head_runs_the_same_engine_first_order(tmp_path):
     try:
         config = _run_config("head", "fedavg-head", tmp_path)
