@@ -87,12 +87,14 @@ def per_client_round_cost(row: str) -> float:
 
 @functools.cache
 def pass_fraction(row: str) -> float:
-    """The share of a full forward pass one perturbed pass of a prefix-cached row runs, read off the model it
-    trains (its blocks above the split and the vocabulary projection, against all of them)."""
-    config = load_config(None, [*COMMON, *ROW_OPTIONS[row], f"federation.method={ROWS[row]}"],
+    """The share of a full forward pass one perturbed pass of a row runs, read off the model it trains (its blocks
+    above the split and the vocabulary projection, against all of them); 1 where its zo.cache caches nothing (auto
+    on LoRA in every block)."""
+    config = load_config(None, [*COMMON, *ROW_OPTIONS.get(row, []), f"federation.method={ROWS[row]}"],
                          schema=FederatedConfig)
     model, trainable, task = build_model(config, None, torch.device("cpu"))
-    return prefix_cache(config, model, trainable, task).fraction
+    cache = prefix_cache(config, model, trainable, task)
+    return 1.0 if cache is None else cache.fraction
 
 
 def rounds_for(row: str, budget: float) -> int:

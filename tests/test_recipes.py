@@ -47,7 +47,7 @@ def test_the_config_wins_key_by_key_and_whole_sections_stay_the_users():
 def test_a_config_that_chose_otherwise_keeps_the_schema_defaults(override):
     cfg = _load(override)
     assert cfg.federation.recipe == "none"
-    assert (cfg.zo.queries, cfg.zo.cache, cfg.feature_cache(), cfg.federation.average_from) == (1, "none", 0, None)
+    assert (cfg.zo.queries, cfg.zo.cache, cfg.feature_cache(), cfg.federation.average_from) == (1, "auto", 0, None)
 
 
 def test_a_local_decoder_gets_the_recipe_once_its_kind_is_known(tiny_workspace):
