@@ -22,7 +22,7 @@ def budget_gains(p: Protocol, table: str, dataset: str, rows: list[dict]) -> lis
     assert p.calibration is not None
     runs = [r for r in rows if (r["phase"], r["table"], r["dataset"]) == ("calibrate", table, dataset)]
     cal = p.calibration
-    expected = sum(len(grid(p, table, row)) for row in p.tables[table].calibrate) * len(cal.seeds)
+    expected = sum(len(grid(p, table, row, "calibrate")) for row in p.tables[table].calibrate) * len(cal.seeds)
     by_point: dict[tuple[str, float], list[dict]] = {}
     for r in runs:
         by_point.setdefault((r["row"], r["lr"]), []).append(r)
@@ -62,9 +62,9 @@ def calibration_lines(p: Protocol, table: str, rows: list[dict]) -> list[str]:
     cal = p.calibration
     budgets = [m * p.federation.budget for m in range(1, cal.max_multiple + 1)]
     lines = ["", "### Budget calibration", "",
-             f"Rows {', '.join(p.tables[table].calibrate)} on their grid, seeds {cal.seeds}, each run once to "
-             f"{budgets[-1]:,.0f} passes; the gain in validation accuracy over the starting model (curve subset) of "
-             f"the best row and lr at each budget. Target: at least {cal.gain:.2f} on every dataset.", "",
+             f"Rows {', '.join(p.tables[table].calibrate)} on the calibration grid, seeds {cal.seeds}, each run "
+             f"once to {budgets[-1]:,.0f} passes; the gain in validation accuracy over the starting model (curve "
+             f"subset) of the best row and lr at each budget. Target: at least {cal.gain:.2f} on every dataset.", "",
              "| dataset | " + " | ".join(f"{b:,.0f}" for b in budgets) + " |",
              "|---|" + "---:|" * len(budgets)]
     for dataset in p.datasets:

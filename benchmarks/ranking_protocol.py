@@ -58,6 +58,7 @@ class Calibration(_Strict):
     max_multiple: int = Field(ge=1)
     gain: float = Field(gt=0, lt=1)
     seeds: list[int] = Field(min_length=1)
+    grid: list[float] | None = None  # the client lrs calibration tries (None: each row's own grid)
 
 
 class Seeds(_Strict):
@@ -277,10 +278,15 @@ def rounds_for(table: str, row: str, dataset: str, phase: str = "tune") -> int:
     return 0 if cost == 0 else max(1, int(phase_budget(p, table, phase) // (p.federation.per_round * cost)))
 
 
-def grid(p: Protocol, table: str, row: str) -> list[float]:
-    """The client lrs a row is tuned on (none for a row that trains nothing)."""
+def grid(p: Protocol, table: str, row: str, phase: str = "tune") -> list[float]:
+    """The client lrs a row is tuned on (none for a row that trains nothing); calibration's own, when it names
+    them."""
     r = p.tables[table].rows[row]
-    return [] if r.grid is None else list(p.grids[r.grid])
+    if r.grid is None:
+        return []
+    if phase == "calibrate" and p.calibration is not None and p.calibration.grid is not None:
+        return list(p.calibration.grid)
+    return list(p.grids[r.grid])
 
 
 PHASES = ("calibrate", "tune", "final")
@@ -306,7 +312,7 @@ def is_current(p: Protocol, stored: dict) -> bool:
         return False
     if stored["seed"] not in phase_seeds(p, stored["phase"]):
         return False
-    lrs = grid(p, stored["table"], stored["row"])
+    lrs = grid(p, stored["table"], stored["row"], stored["phase"])
     if lrs and not any(abs(stored["lr"] - lr) <= 1e-12 * lr for lr in lrs):
         return False
     return stored.get("protocol") == row_digest(p, stored["table"], stored["row"], stored["phase"])
@@ -352,7 +358,7 @@ def pending_runs(p: Protocol, table: str, phase: str, rows: list[str], datasets:
                     if spec.kind == "zero-shot":
                         points = [0.0] if phase == "final" and seed == seeds[0] else []
                     elif phase in ("tune", "calibrate"):
-                        points = grid(p, table, row)
+                        points = grid(p, table, row, phase)
                     else:
                         c = chosen.get(setting_key(table, dataset, p.federation.alphas[0], row))
                         if c is None:

@@ -154,7 +154,8 @@ def test_calibration_runs_the_zo_baselines_to_the_largest_budget_and_evaluates_a
     cal = P.calibration
     runs, notes = protocol.pending_runs(P, "top4", "calibrate", list(P.tables["top4"].rows), ["agnews"], set(), {})
     assert not notes and {r[2] for r in runs} == set(P.tables["top4"].calibrate)
-    assert {r[5] for r in runs} == set(cal.seeds) and len(runs) == 4 * len(P.grids["zo"]) * len(cal.seeds)
+    assert {r[5] for r in runs} == set(cal.seeds) and len(runs) == 4 * len(cal.grid) * len(cal.seeds)
+    assert {r[6] for r in runs} == set(cal.grid) < set(P.grids["zo"])  # a coarser grid; tuning takes the full one
     overrides = dict(o.split("=", 1) for o in protocol.run_overrides(P, *runs[0], tmp_path))
     rounds, base = protocol.rounds_for("top4", runs[0][2], "agnews", "calibrate"), protocol.rounds_for(
         "top4", runs[0][2], "agnews")
@@ -177,7 +178,7 @@ def _calibration_run(row: str, lr: float, dataset: str, gains: list[float], star
 
 
 def test_the_calibrated_budget_is_the_smallest_multiple_at_which_the_best_baseline_gains_enough_everywhere():
-    lrs = P.grids["zo"]
+    lrs = P.calibration.grid
     gains = {"sst2": [0.01, 0.02, 0.04, 0.05], "agnews": [0.02, 0.035, 0.05, 0.06], "sst5": [0.002, 0.01, 0.031, 0.04]}
     rows = []
     for dataset, best in gains.items():
@@ -201,7 +202,7 @@ def test_a_calibration_row_stays_current_when_its_table_takes_the_budget_it_chos
     data = yaml.safe_load(protocol.PROTOCOL.read_text())
     data["tables"]["top4"]["budget"] = 3 * P.federation.budget
     calibrated = protocol.Protocol.model_validate(data)
-    run = _calibration_run("hiso", P.grids["zo"][0], "agnews", [0.1] * P.calibration.max_multiple)
+    run = _calibration_run("hiso", P.calibration.grid[0], "agnews", [0.1] * P.calibration.max_multiple)
     run["seed"] = P.calibration.seeds[0]
     assert protocol.is_current(P, run) and protocol.is_current(calibrated, run)
     assert protocol.row_digest(calibrated, "top4", "hiso") != protocol.row_digest(P, "top4", "hiso")  # tune rows move
