@@ -38,18 +38,24 @@ def budget_gains(p: Protocol, table: str, dataset: str, rows: list[dict]) -> lis
     return out
 
 
-def calibrated_budget(p: Protocol, table: str, rows: list[dict]) -> float | None:
-    """The smallest budget at which the best calibration row gains `gain` on every dataset; None until every
-    dataset's calibration runs are in, or when no budget up to max_multiple passes."""
-    if p.calibration is None or not p.tables[table].calibrate:
-        return None
-    per_dataset = [budget_gains(p, table, d, rows) for d in p.datasets]
+def _smallest_passing(p: Protocol, per_dataset: list[list[dict]]) -> float | None:
+    """The first budget at which every dataset's best gain reaches the target (None: none does, or a dataset's
+    calibration runs are not all in)."""
+    assert p.calibration is not None
     if not all(points[0]["complete"] for points in per_dataset):
         return None
     for i, budget in enumerate(points["budget"] for points in per_dataset[0]):
         if all(points[i]["best"]["gain"] >= p.calibration.gain for points in per_dataset):
             return budget
     return None
+
+
+def calibrated_budget(p: Protocol, table: str, rows: list[dict]) -> float | None:
+    """The smallest budget at which the best calibration row gains `gain` on every dataset; None until every
+    dataset's calibration runs are in, or when no budget up to max_multiple passes."""
+    if p.calibration is None or not p.tables[table].calibrate:
+        return None
+    return _smallest_passing(p, [budget_gains(p, table, d, rows) for d in p.datasets])
 
 
 def calibration_lines(p: Protocol, table: str, rows: list[dict]) -> list[str]:
@@ -67,18 +73,18 @@ def calibration_lines(p: Protocol, table: str, rows: list[dict]) -> list[str]:
              f"subset) of the best row and lr at each budget. Target: at least {cal.gain:.2f} on every dataset.", "",
              "| dataset | " + " | ".join(f"{b:,.0f}" for b in budgets) + " |",
              "|---|" + "---:|" * len(budgets)]
-    for dataset in p.datasets:
-        points = budget_gains(p, table, dataset, rows)
+    per_dataset = [budget_gains(p, table, d, rows) for d in p.datasets]
+    for dataset, points in zip(p.datasets, per_dataset, strict=True):
         if points[0]["best"] is None:
             lines.append(f"| {dataset} | " + " | ".join("-" for _ in budgets) + " |")
             continue
         mark = "" if points[0]["complete"] else " (partial)"
         cells = [f"{pt['best']['gain']:+.3f} {pt['best']['row']} {pt['best']['lr']:g}" for pt in points]
         lines.append(f"| {dataset}{mark} | " + " | ".join(cells) + " |")
-    chosen = calibrated_budget(p, table, rows)
+    chosen = _smallest_passing(p, per_dataset)
     if chosen is not None:
         lines += ["", f"Calibrated budget: {chosen:,.0f} passes."]
-    elif all(budget_gains(p, table, d, rows)[0]["complete"] for d in p.datasets):
+    elif all(points[0]["complete"] for points in per_dataset):
         lines += ["", f"No budget up to {budgets[-1]:,.0f} passes gives a ZO baseline {cal.gain:.2f} on every "
                   "dataset."]
     return lines
