@@ -204,3 +204,64 @@ def test_a_resumed_run_with_remembered_prefixes_ends_bit_identical(tmp_path):
     whole = load_file(str(tmp_path / "whole" / "final" / "trainable.safetensors"))
     split = load_file(str(tmp_path / "split" / "final" / "trainable.safetensors"))
     assert all(torch.equal(whole[k], split[k]) for k in whole)
+
+
+
+def _charged_whole_runs(tmp_path, monkeypatch, trainable, disable) -> dict:
+    """Runs with zo.cache: none, with the simulator's memo (True) and with it switched off by `disable` (False)."""
+    from zofed.run.federated import run_federated
+
+    ws = _deep_workspace(tmp_path / "ws")
+    options = [*trainable, "zo.cache=none", "federation.rounds=3", "federation.local_steps=3",
+               "federation.partition.num_clients=3", "federation.clients_per_round=3", "zo.queries=2"]
+    results = {}
+    for remember in (False, True):
+        with monkeypatch.context() as patch:
+            if not remember:
+                disable(patch)
+            results[remember] = run_federated(tiny_federated_config(ws, tmp_path / f"run-{remember}", *options),
+                                              show_progress=False)
+    assert (results[True]["forward_passes_per_client_round"] ==
+            results[False]["forward_passes_per_client_round"] == 3 * forward_equivalents(1.0, 2, "forward"))
+    assert results[True]["test"]["loss"] == pytest.approx(results[False]["test"]["loss"], abs=1e-4)
+    from safetensors.torch import load_file
+    final = {r: load_file(str(tmp_path / f"run-{r}" / "final" / "trainable.safetensors")) for r in (False, True)}
+    assert all(torch.allclose(final[True][k], final[False][k], atol=1e-4) for k in final[False])
+    return results
+
+
+def test_whole_passes_charged_on_top_lora_are_simulated_on_remembered_prefixes(tmp_path, monkeypatch):
+    """zo.cache: none charges every pass whole; the simulator still runs only the blocks above the frozen ones, on
+    remembered rows, and ends within rounding of running each pass whole."""
+    import zofed.sim.engine as engine
+
+    memos = []
+    simulation_prefixes = engine.simulation_prefixes
+    monkeypatch.setattr(engine, "simulation_prefixes", lambda *args: memos.append(simulation_prefixes(*args))
+                        or memos[-1])
+    _charged_whole_runs(tmp_path, monkeypatch, ["trainable.mode=lora", "trainable.lora_r=2",
+                                                "trainable.lora_layers=[7]"],
+                        lambda patch: patch.setattr(engine, "simulation_prefixes", lambda *args: None))
+    assert len(memos) == 1 and memos[0] is not None and 0 < memos[0].computed == len(memos[0]) <= 120
+
+
+def test_whole_passes_charged_on_the_label_head_are_simulated_on_remembered_features(tmp_path, monkeypatch):
+    """The same for the label head alone: the simulator's steps read the frozen body's remembered features."""
+    import zofed.sim.engine as engine
+    from zofed.data.tasks import PromptClassification
+    from zofed.run.setup import Setup
+
+    bodies = []
+    cached_loss = PromptClassification.cached_loss
+
+    def recording(self, *args, body=None):
+        bodies.append(body)
+        return cached_loss(self, *args, body=body)
+
+    monkeypatch.setattr(PromptClassification, "cached_loss", recording)
+    def disable(patch) -> None:
+        patch.setattr(Setup, "simulated_body", property(lambda self: None))
+        patch.setattr(engine, "simulation_prefixes", lambda *args: None)
+
+    _charged_whole_runs(tmp_path, monkeypatch, ["trainable.mode=none", "trainable.label_head=true"], disable)
+    assert len(bodies) == 3 * 3 * 3 and all(body is not None for body in bodies)  # rounds x clients x steps

@@ -72,6 +72,7 @@ class CausalLM(Task):
 
     template_needs_a_field = False  # a fixed instruction before each response is a valid causal-lm prompt
     full_vocabulary = True
+    splits_at_prefix = True
     # Told (answers done, answers asked) after each generated batch of an evaluation: a run shows it on its
     # progress bar, since generating takes minutes on a CPU where the rest of an evaluation takes seconds.
     on_generated: Callable[[int, int], None] | None = None

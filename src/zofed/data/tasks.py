@@ -158,6 +158,8 @@ class Task:
     # The loss reads the logits of the whole vocabulary (causal-lm): a prefix-cached pass runs the output layer in
     # full, and its cost counts it; the classification tasks read a few label rows, too few to count.
     full_vocabulary = False
+    # `cached_loss` runs only the blocks above a PrefixCache's split (prompt-classification and causal-lm)
+    splits_at_prefix = False
     num_classes: int | None = None  # classification tasks: the width of the logits
     device = torch.device("cpu")  # where batches are made: the model's device (run/setup.py sets it)
 
@@ -277,6 +279,8 @@ def label_verbalizer(label_names: Sequence[str]) -> list[str]:
 
 
 class PromptClassification(Task):
+    splits_at_prefix = True
+
     def __init__(self, tokenizer, config: TaskConfig, num_classes: int,
                  label_names: Sequence[str] | None = None) -> None:
         """`label_names` (the data's, in class order) stand in for an unset task.verbalizer (`label_verbalizer`)."""

@@ -35,8 +35,9 @@ class ClientContext:
     trainable: TrainableParams
     task: Task
     train: Encoded
-    # the frozen body's remembered features (zo.cache: features): a client's round features are read from them
-    # instead of rerun, which changes no bit (each row is computed alone either way); None: rerun each round
+    # the frozen body's remembered features (zo.cache: features, or none in the in-process simulator): a client's
+    # features are read from them instead of rerun, which changes no bit (each row is computed alone either way)
+    # nor the compute charged; None: rerun
     body: BodyFeatures | None = None
     # the frozen prefix's remembered rows (zo.cache: prefix in the in-process simulator, sim/engine.py): a step's
     # capture pass reads them instead of running the frozen bottom; None: it runs the bottom
@@ -80,9 +81,14 @@ def client_shift(ctx: ClientContext, local: LocalTraining, indices: np.ndarray) 
 def client_cache(ctx: ClientContext, local: LocalTraining) -> PrefixCache | None:
     """The prefix cache the round plan asks for (pass_fraction below 1), split where this client's model's first
     trainable block is; a model that splits elsewhere than the plan says is refused (its compute would be
-    miscounted)."""
+    miscounted). A plan charging whole passes gets no cache, but in the simulator a split reading the remembered
+    prefixes or body features (`simulation_prefixes`, `Setup.simulated_body`): the charge stays the plan's, only
+    the simulator's time is saved."""
     if local.pass_fraction >= 1.0:
-        return None
+        if ctx.prefixes is None and ctx.body is None:
+            return None
+        start = first_trainable_layer(ctx.model, ctx.trainable.names)
+        return PrefixCache(ctx.model, start, ctx.task.full_vocabulary, ctx.prefixes)
     start = first_trainable_layer(ctx.model, ctx.trainable.names)
     cache = PrefixCache(ctx.model, start, ctx.task.full_vocabulary, ctx.prefixes) if start is not None else None
     if cache is None or abs(cache.fraction - local.pass_fraction) > 1e-9:
@@ -94,13 +100,14 @@ def client_cache(ctx: ClientContext, local: LocalTraining) -> PrefixCache | None
 
 def simulation_prefixes(ctx: ClientContext, pass_fraction: float, feature_cache: int,
                         client_indices: Sequence[np.ndarray]) -> PrefixMemo | None:
-    """The memo a simulation keeps of its clients' prefixes, when their steps capture one (a prefix cache, no
-    remembered body features, no round features) and the rows of their examples fit the simulator's memory
+    """The memo a simulation keeps of its clients' prefixes, when their steps could split the model above a frozen
+    bottom (a prefix cache, or whole passes charged with zo.cache: none, which the simulator then splits all the
+    same; no remembered body features, no round features) and the rows of their examples fit the simulator's memory
     (`simulation_memo`); None otherwise."""
-    if pass_fraction >= 1.0 or feature_cache or ctx.body is not None:
+    if feature_cache or ctx.body is not None or not ctx.task.splits_at_prefix:
         return None
     start = first_trainable_layer(ctx.model, ctx.trainable.names)
-    if start is None:
+    if start is None or (pass_fraction >= 1.0 and start == 0):  # nothing frozen below: nothing to remember
         return None
     cache = PrefixCache(ctx.model, start)
     below = {t.data_ptr() for _, t in prefix_tensors(cache)}

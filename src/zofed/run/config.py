@@ -90,7 +90,8 @@ class ZOSection(_Section):
     # its lowest block), else none. features: every block frozen (the label head alone); a federated client runs
     # federation.cached_examples of its examples through the model once a round and steps on their last hidden
     # states. The in-process simulator remembers what it can across rounds by itself (each example's prefix, or
-    # its body features; ZOFED_FEATURE_STORE=DIR keeps the latter across runs); that saves its time, not a
+    # its body features; ZOFED_FEATURE_STORE=DIR keeps the latter across runs), with none as well (its clients are
+    # charged whole passes and it runs only the blocks above the frozen ones); that saves its time, not a
     # client's, and the compute counted is each client's.
     cache: Literal["auto", "none", "prefix", "features"] = "auto"
     # features: each coordinate's noise scaled by 1 / RMS of the input feature it multiplies, measured once on

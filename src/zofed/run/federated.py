@@ -115,7 +115,7 @@ class FederatedRun:
 
     def client_context(self) -> ClientContext:
         return ClientContext(self.setup.model, self.setup.trainable, self.setup.task, self.setup.train,
-                             self.setup.train_body)
+                             self.setup.simulated_body)
 
     def client_role(self) -> ClientRole:
         """The role that trains every simulated client, attackers included."""

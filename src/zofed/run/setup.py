@@ -61,6 +61,12 @@ class Setup:
         """The memo training losses read too (zo.cache: features, every block frozen); None: they run the body."""
         return self.body if self.config.zo.cache == "features" else None
 
+    @property
+    def simulated_body(self) -> BodyFeatures | None:
+        """The memo the in-process simulator's training losses read: `train_body`, and with zo.cache: none the same
+        remembered features (its clients are charged whole passes; remembering saves the simulator's time only)."""
+        return self.body if self.config.zo.cache in ("features", "none") else None
+
     def save_remembered(self) -> None:
         """Merge the remembered features into their store, when the run keeps one (ZOFED_FEATURE_STORE)."""
         if self.body is not None:
@@ -191,20 +197,18 @@ def prefix_cache(config: FinetuneConfig, model: torch.nn.Module, trainable: Trai
 
 def body_memo(config: FinetuneConfig, model: torch.nn.Module, trainable: TrainableParams,
               cache: PrefixCache | None) -> BodyFeatures | None:
-    """The frozen body's remembered features: for every loss with zo.cache: features (every block frozen), kept
-    across runs in the directory ZOFED_FEATURE_STORE names (one file per model) when it is set; else for
-    evaluations when the prefix cache splits at the final norm; None when the body may train.
+    """The frozen body's remembered features: for every loss with zo.cache: features (every block frozen), and for
+    the simulator's with none, kept across runs in the directory ZOFED_FEATURE_STORE names (one file per model) when
+    it is set; else for evaluations when the prefix cache splits at the final norm; None when the body may train.
 
     Remembering saves the simulator's time and changes no result: a remembered row is computed exactly as a
     recomputed one (each example alone, PromptClassification.last_features)."""
-    if cache is None:
-        return None  # nothing to remember features for
     whole = frozen_body(model, trainable) if config.task.type == "prompt-classification" else None
-    if config.zo.cache == "features":
-        if whole is None:
-            raise ConfigError("zo.cache: features needs a prompt-classification task on a decoder whose body is "
-                              "frozen (only the label head or the final norm trains: trainable.mode=none with "
-                              "trainable.label_head=true); with trainable blocks use zo.cache: prefix")
+    if config.zo.cache == "features" and whole is None:
+        raise ConfigError("zo.cache: features needs a prompt-classification task on a decoder whose body is "
+                          "frozen (only the label head or the final norm trains: trainable.mode=none with "
+                          "trainable.label_head=true); with trainable blocks use zo.cache: prefix")
+    if config.zo.cache in ("features", "none") and whole is not None:  # none: for the simulator (`simulated_body`)
         store = os.environ.get(FEATURE_STORE_VARIABLE) or None
         return BodyFeatures(whole, None if store is None else Path(store),
                             None if store is None else fingerprint(model, trainable.names))

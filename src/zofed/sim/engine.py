@@ -5,9 +5,10 @@ encoded and decoded: byte counts are measured, and validation runs as it would o
 is an index array into the shared encoded data and the method's small per-client state on the server. Client
 sampling, batches and seeds derive from (run seed, round, client, step): a run repeats bit for bit. A client whose
 training raises (a non-finite loss, say) is its round's rejected uplink, `client_error` with the exception's first
-line, as on Flower; the round goes on with the others, and a round with none keeps the model. With zo.cache: prefix
-the engine remembers what each example's frozen prefix gives (data/prefix_memo.py), which saves its time, not the
-compute a client is charged.
+line, as on Flower; the round goes on with the others, and a round with none keeps the model. Wherever blocks below
+the trainable ones are frozen (zo.cache: prefix, or none, whose clients are charged whole passes) the engine
+remembers what each example's frozen prefix gives (data/prefix_memo.py), which saves its time, not the compute a
+client is charged.
 """
 
 from __future__ import annotations
