@@ -265,3 +265,27 @@ def test_whole_passes_charged_on_the_label_head_are_simulated_on_remembered_feat
 
     _charged_whole_runs(tmp_path, monkeypatch, ["trainable.mode=none", "trainable.label_head=true"], disable)
     assert len(bodies) == 3 * 3 * 3 and all(body is not None for body in bodies)  # rounds x clients x steps
+
+
+def test_the_learning_curve_reads_remembered_prefixes_of_the_watched_examples(tmp_path, monkeypatch):
+    """Curve points run only the blocks above the split, each watched example's prefix computed once in the run,
+    and read within rounding what running each batch whole reads."""
+    import zofed.run.federated as federated
+
+    ws = _deep_workspace(tmp_path / "ws")
+    options = ["trainable.mode=lora", "trainable.lora_r=2", "trainable.lora_layers=[6, 7]", "zo.cache=prefix",
+               "federation.rounds=3", "federation.eval_every=1", "federation.local_steps=2"]
+    splits, curves = [], {}
+    watched_prefixes = federated.watched_prefixes
+    for remember in (False, True):
+        with monkeypatch.context() as patch:
+            patch.setattr(federated, "watched_prefixes", lambda *args: splits.append(watched_prefixes(*args))
+                          or splits[-1] if remember else None)
+            federated.run_federated(tiny_federated_config(ws, tmp_path / f"run-{remember}", *options),
+                                    show_progress=False)
+        records = [json.loads(line) for line in (tmp_path / f"run-{remember}" / "metrics.jsonl").open()]
+        curves[remember] = [r["eval_loss"] for r in records if "eval_loss" in r]
+    assert len(curves[True]) == 4 and curves[True] == pytest.approx(curves[False], abs=1e-5)
+    assert len(set(curves[True])) > 1  # the model moved between the points
+    memo = splits[0].memo
+    assert memo.computed == len(memo) == 30  # data.eval_examples: each watched example ran through the bottom once

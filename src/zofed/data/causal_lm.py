@@ -166,17 +166,20 @@ class CausalLM(Task):
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, data: Encoded, batch_size: int = 16,
                  indices=None, max_new_tokens: int | None = None, *,
-                 body: BodyFeatures | None = None) -> dict[str, float]:
+                 body: BodyFeatures | None = None, prefixes: PrefixCache | None = None) -> dict[str, float]:
         """The mean response-token loss over `indices` (all examples by default) and, with task.generate_eval > 0,
         the mean ROUGE-L of greedy generations (at most `max_new_tokens`, default task.max_new_tokens, new
-        tokens) for the first generate_eval of them."""
+        tokens) for the first generate_eval of them; `prefixes`: a split whose memo remembers each example's
+        frozen prefix, so the loss runs only the blocks above it (generation runs the whole model)."""
         refuse_body(body, self.config.type)
         order = np.arange(len(data)) if indices is None else np.asarray(indices)
         total, count = 0.0, 0
         for start in range(0, len(order), batch_size):
             batch = self.collate(data, order[start:start + batch_size])
             mask, targets = scored(batch.labels)
-            logits = scored_logits(model, last_hidden(model, batch), mask)
+            hidden = (last_hidden(model, batch) if prefixes is None
+                      else prefixes.hidden(prefixes.capture(batch.input_ids, batch.attention_mask)))
+            logits = scored_logits(model, hidden, mask)
             total += float(F.cross_entropy(logits, targets, reduction="sum"))
             count += len(targets)
         result = {"loss": total / max(1, count)}
@@ -185,10 +188,12 @@ class CausalLM(Task):
                                                      max_new_tokens)
         return result
 
-    def evaluate_during_training(self, model: torch.nn.Module, data: Encoded, batch_size: int,
-                                 indices, *, body: BodyFeatures | None = None) -> dict[str, float]:
+    def evaluate_during_training(self, model: torch.nn.Module, data: Encoded, batch_size: int, indices, *,
+                                 body: BodyFeatures | None = None,
+                                 prefixes: PrefixCache | None = None) -> dict[str, float]:
         """A learning-curve point: answers at most task.curve_max_new_tokens long (unset: max_new_tokens)."""
-        return self.evaluate(model, data, batch_size, indices, self.config.curve_max_new_tokens, body=body)
+        return self.evaluate(model, data, batch_size, indices, self.config.curve_max_new_tokens, body=body,
+                             prefixes=prefixes)
 
     def generate(self, model: torch.nn.Module, prompts: list[list[int]], batch_size: int = 16,
                  progress: Progress | None = None, max_new_tokens: int | None = None) -> list[str]:

@@ -209,6 +209,11 @@ class Task:
     def logits(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         raise NotImplementedError
 
+    def split_logits(self, model: torch.nn.Module, prefixes: PrefixCache, batch: Batch) -> torch.Tensor:
+        """The batch's logits with the frozen bottom read from (or run once into) `prefixes`'s memo."""
+        raise ValueError(f"a split evaluation works with prompt-classification and causal-lm tasks, not "
+                         f"{self.config.type}")
+
     def cached_loss(self, model: torch.nn.Module, cache: PrefixCache, batch: Batch,
                     shift: torch.Tensor | None = None, *, body: BodyFeatures | None = None) -> Callable[[], float]:
         raise ValueError(f"zo.cache: prefix works with prompt-classification and causal-lm tasks, not "
@@ -225,24 +230,27 @@ class Task:
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, data: Encoded, batch_size: int = 32,
-                 indices=None, *, body: BodyFeatures | None = None) -> dict[str, float]:
+                 indices=None, *, body: BodyFeatures | None = None,
+                 prefixes: PrefixCache | None = None) -> dict[str, float]:
         """Accuracy and mean loss over `indices` (all examples by default); `body`: remembered features to read
-        instead of running the frozen body (prompt-classification only)."""
+        instead of running the frozen body (prompt-classification only); `prefixes`: a split whose memo remembers
+        each example's frozen prefix, so only the blocks above it run (`split_logits`)."""
         refuse_body(body, self.config.type)
         order = by_length(data, indices)
         correct, loss_sum = 0, 0.0
         for start in range(0, len(order), batch_size):
             batch = self.collate(data, order[start:start + batch_size])
-            logits = self.logits(model, batch)
+            logits = self.logits(model, batch) if prefixes is None else self.split_logits(model, prefixes, batch)
             loss_sum += float(F.cross_entropy(logits, batch.labels, reduction="sum"))
             correct += int((logits.argmax(-1) == batch.labels).sum())
         n = max(1, len(order))
         return {"accuracy": correct / n, "loss": loss_sum / n}
 
-    def evaluate_during_training(self, model: torch.nn.Module, data: Encoded, batch_size: int,
-                                 indices, *, body: BodyFeatures | None = None) -> dict[str, float]:
+    def evaluate_during_training(self, model: torch.nn.Module, data: Encoded, batch_size: int, indices, *,
+                                 body: BodyFeatures | None = None,
+                                 prefixes: PrefixCache | None = None) -> dict[str, float]:
         """A learning-curve point on the watched examples `indices`: the same measures as the final test."""
-        return self.evaluate(model, data, batch_size, indices, body=body)
+        return self.evaluate(model, data, batch_size, indices, body=body, prefixes=prefixes)
 
 
 def by_length(data: Encoded, indices=None) -> np.ndarray:
@@ -322,11 +330,12 @@ class PromptClassification(Task):
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, data: Encoded, batch_size: int = 32,
-                 indices=None, *, body: BodyFeatures | None = None) -> dict[str, float]:
+                 indices=None, *, body: BodyFeatures | None = None,
+                 prefixes: PrefixCache | None = None) -> dict[str, float]:
         """Accuracy and mean loss over `indices`; with `body` (every block frozen) each example runs through the
         body once per memo, and afterwards only the final norm and the head read its remembered row."""
         if body is None:
-            return super().evaluate(model, data, batch_size, indices)
+            return super().evaluate(model, data, batch_size, indices, prefixes=prefixes)
         order = by_length(data, indices)
         if not order.size:
             return {"accuracy": 0.0, "loss": 0.0}
@@ -339,6 +348,10 @@ class PromptClassification(Task):
         lm = unwrap(model)
         backbone = getattr(lm, lm.base_model_prefix)
         hidden = backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+        return self.logits_from_hidden(model, hidden, batch)
+
+    def split_logits(self, model: torch.nn.Module, prefixes: PrefixCache, batch: Batch) -> torch.Tensor:
+        hidden = prefixes.hidden(prefixes.capture(batch.input_ids, batch.attention_mask))
         return self.logits_from_hidden(model, hidden, batch)
 
     def cached_loss(self, model: torch.nn.Module, cache: PrefixCache, batch: Batch,

@@ -30,6 +30,7 @@ from zofed import streams
 from zofed.atomic_files import remove_stale_temporaries, write_atomic_text
 from zofed.data.generation import showing_generation
 from zofed.data.partition import ClientSplit, client_splits, format_summary, plot_partition, summarize
+from zofed.data.prefix_memo import simulation_memo
 from zofed.data.tasks import Task
 from zofed.fl.aggregate import make_aggregator
 from zofed.fl.attacks import Attack
@@ -48,7 +49,7 @@ from zofed.run.setup import Setup, build, eval_indices, save_final
 from zofed.run.stored_config import check_resumed_config, config_yaml, dump_config, with_prompt_format
 from zofed.run.uplink_log import LOG_NAME, LogError, UplinkLog
 from zofed.sim.engine import simulate
-from zofed.zo.prefix import backward_fraction, head_fraction
+from zofed.zo.prefix import PrefixCache, backward_fraction, head_fraction
 
 
 def client_eval_indices(split: ClientSplit, cap: int | None, seed: int) -> np.ndarray:
@@ -112,6 +113,9 @@ class FederatedRun:
     start_round: int
     watch: np.ndarray
     log: UplinkLog | None = None  # the accepted uplinks, hash-chained (run/uplink_log.py); None: not kept
+    # the split the learning curve's evaluations run through, remembering each watched example's frozen prefix
+    # (`watched_prefixes`); None: each evaluation runs the whole model (or reads the remembered body features)
+    watched_split: PrefixCache | None = None
 
     def client_context(self) -> ClientContext:
         return ClientContext(self.setup.model, self.setup.trainable, self.setup.task, self.setup.train,
@@ -130,7 +134,7 @@ class FederatedRun:
         t0 = time.perf_counter()
         result = self.setup.task.evaluate_during_training(self.setup.model, self.setup.test,
                                                           self.config.train.eval_batch_size, self.watch,
-                                                          body=self.setup.body)
+                                                          body=self.setup.body, prefixes=self.watched_split)
         # generation makes an evaluation cost as much as a round: its time is kept apart from the round's
         return {**{f"eval_{k}": v for k, v in result.items()}, "eval_seconds": round(time.perf_counter() - t0, 2)}
 
@@ -139,7 +143,7 @@ class FederatedRun:
         began. The model must hold the starting tensors."""
         result = self.setup.task.evaluate_during_training(self.setup.model, self.setup.test,
                                                           self.config.train.eval_batch_size, self.watch,
-                                                          body=self.setup.body)
+                                                          body=self.setup.body, prefixes=self.watched_split)
         self.metrics.write({"step": 0, "event": "eval", "round": 0, **{f"eval_{k}": v for k, v in result.items()}})
 
     def write_round(self, record: dict) -> None:
@@ -268,6 +272,18 @@ def model_shares(model: torch.nn.Module, trainable_names: Sequence[str], task: T
             "head_fraction": head_fraction(model, classes)}
 
 
+def watched_prefixes(setup: Setup, watch: np.ndarray) -> PrefixCache | None:
+    """A split at the run's prefix cache for the learning curve's evaluations, remembering what each watched example
+    gives below it (data/prefix_memo.py), so every curve point after the first runs only the blocks above: None
+    without a prefix cache, where the body's features are remembered instead, or where the rows could not be kept
+    (`simulation_memo`). A curve point reads the rows within rounding of running each batch whole."""
+    cache = setup.cache
+    if cache is None or setup.body is not None or cache.start == 0 or not setup.task.splits_at_prefix:
+        return None
+    memo = simulation_memo(cache, sum(len(setup.test.input_ids[i]) for i in watch))
+    return None if memo is None else PrefixCache(setup.model, cache.start, setup.task.full_vocabulary, memo)
+
+
 def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Console | None = None) -> FederatedRun:
     """Check the config, build model, data and partition, write the partition files, make (or restore) the
     server role."""
@@ -327,7 +343,8 @@ def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Conso
             log = UplinkLog.resume(out / LOG_NAME, start_round)
         except LogError as err:
             raise ConfigError(f"cannot resume {out}: {err}") from None
-    run = FederatedRun(config, out, setup, splits, plan, server, metrics, start_round, watch, log)
+    run = FederatedRun(config, out, setup, splits, plan, server, metrics, start_round, watch, log,
+                       watched_prefixes(setup, watch))
     if start_round == 0:
         run.evaluate_start()
     return run
