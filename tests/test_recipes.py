@@ -50,9 +50,19 @@ def test_a_config_that_chose_otherwise_keeps_the_schema_defaults(override):
     assert (cfg.zo.queries, cfg.zo.cache, cfg.feature_cache(), cfg.federation.average_from) == (1, "auto", 0, None)
 
 
-def test_a_local_decoder_gets_the_recipe_once_its_kind_is_known(tiny_workspace):
-    assert _load(f"model.name={tiny_workspace / 'model'}").federation.recipe == "none"
-    assert _load(f"model.name={tiny_workspace / 'model'}", "model.kind=causal-lm").federation.recipe == "head"
+def test_a_local_decoder_gets_the_recipe_of_the_built_in_whatever_its_name(tiny_workspace, tmp_path):
+    """What the model is decides, not its name: a save_pretrained decoder directory and a GGUF file get the recipe
+    the built-in decoder gets; an encoder directory, or a hub id nothing is known of before loading, does not."""
+    assert _load(f"model.name={tiny_workspace / 'model'}").federation.recipe == "head"
+    gguf = tmp_path / "model.q4.bin"
+    gguf.write_bytes(b"GGUF" + bytes(12))
+    assert _load(f"model.name={gguf}").federation.recipe == "head"
+    encoder = tmp_path / "encoder"
+    encoder.mkdir()
+    (encoder / "config.json").write_text(json.dumps({"architectures": ["BertModel"], "model_type": "bert"}))
+    assert _load(f"model.name={encoder}").federation.recipe == "none"
+    assert _load(f"model.name={encoder}", "model.kind=causal-lm").federation.recipe == "head"
+    assert _load("model.name=someone/some-model").federation.recipe == "none"
     forced = _load("federation.recipe=head", "trainable.mode=patterns", "trainable.patterns=['norm']",
                    "trainable.label_head=false")
     assert (forced.federation.recipe, forced.trainable.mode, forced.zo.queries) == ("head", "patterns", 8)

@@ -1,4 +1,5 @@
-"""What the registry and the GGUF cache share: the built-in model list, the cache location, the user error.
+"""What the registry and the GGUF cache share: the built-in model list, the cache location, the user error, and
+which kind of model a name points to (`named_kind`) without loading it.
 
 Kept apart from registry.py so that gguf_cache can import these at module top while registry imports
 gguf_cache: every import in zofed.models then runs one way.
@@ -6,6 +7,7 @@ gguf_cache: every import in zofed.models then runs one way.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +50,36 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         subdir="model",
     ),
 }
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether `path` is a file that starts with GGUF's magic bytes."""
+    try:
+        with path.open("rb") as handle:
+            return handle.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def named_kind(name: str, kind: str | None = None) -> str | None:
+    """The kind of model `name` loads as, read without loading it: `kind` when given; a built-in's; causal-lm for a
+    GGUF file (llama.cpp stores decoders) and for a save_pretrained directory whose config.json lists a
+    `...ForCausalLM` architecture, encoder for one listing other architectures; None when it cannot be told here
+    (a hub id is not looked up: nothing is downloaded before the run starts)."""
+    if kind is not None:
+        return kind
+    if name in BUILTIN_MODELS:
+        return BUILTIN_MODELS[name].kind
+    path = Path(name).expanduser()
+    if path.is_file():
+        return CAUSAL_LM if is_gguf(path) else None
+    try:
+        architectures = json.loads((path / "config.json").read_text(encoding="utf-8")).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not architectures:
+        return None
+    return CAUSAL_LM if any(str(a).endswith("ForCausalLM") for a in architectures) else ENCODER
 
 
 def builtin_model_names() -> list[str]:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zofed.atomic_files import publish_directory
-from zofed.models.catalog import BuiltinModel, ModelLoadError, cache_dir
+from zofed.models.catalog import BuiltinModel, ModelLoadError, cache_dir, is_gguf
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -67,15 +67,6 @@ def gguf_file_cache(gguf: Path) -> Path:
     source = {"file": str(gguf), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     key = hashlib.sha256(str(gguf).encode()).hexdigest()[:12]
     return _cache_of(f"gguf-{gguf.stem}-{key}", gguf, source)
-
-
-def is_gguf(path: Path) -> bool:
-    """Whether `path` is a file that starts with GGUF's magic bytes."""
-    try:
-        with path.open("rb") as handle:
-            return handle.read(4) == b"GGUF"
-    except OSError:
-        return False
 
 
 def _cache_of(name: str, gguf: Path, source: dict) -> Path:

@@ -33,8 +33,9 @@ from zofed.models.catalog import (
     ModelLoadError,
     builtin_model_names,
     cache_dir,
+    is_gguf,
 )
-from zofed.models.gguf_cache import gguf_cache, gguf_file_cache, is_gguf
+from zofed.models.gguf_cache import gguf_cache, gguf_file_cache
 from zofed.models.global_rng import seeded_global_rng
 
 # transformers is imported inside the functions that use it: it adds seconds to `import zofed.models`,

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from zofed.models.catalog import BUILTIN_MODELS, CAUSAL_LM
+from zofed.models.catalog import CAUSAL_LM, named_kind
 from zofed.run.config import deep_merge
 
 Recipe = Literal["auto", "head", "none"]
@@ -59,10 +59,10 @@ def _get(tree: dict[str, Any], *keys: str, default: Any = None) -> Any:
 
 def auto_recipe(tree: dict[str, Any]) -> str:
     """The recipe `auto` resolves to for this (unvalidated) config tree: head for zofed on prompt classification
-    with a built-in decoder or a `model.kind: causal-lm`, and neither `trainable.mode` nor `trainable.label_head`
-    set; else none."""
+    with a decoder (what the model is, not its name: a built-in, a GGUF file, a directory or `model.kind:
+    causal-lm`; `named_kind`), and neither `trainable.mode` nor `trainable.label_head` set; else none."""
     name, kind = _get(tree, "model", "name", default="smollm2-135m"), _get(tree, "model", "kind")
-    decoder = kind == CAUSAL_LM or (kind is None and name in BUILTIN_MODELS and BUILTIN_MODELS[name].kind == CAUSAL_LM)
+    decoder = named_kind(str(name), kind) == CAUSAL_LM
     chosen = _get(tree, "trainable", "mode") is not None or _get(tree, "trainable", "label_head") is not None
     if (decoder and not chosen
             and _get(tree, "task", "type", default="prompt-classification") == "prompt-classification"
