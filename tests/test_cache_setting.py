@@ -40,8 +40,13 @@ def test_cached_examples_default_to_one_batch_and_only_go_with_cached_features()
     assert (recipe.zo.cache, recipe.federation.cached_examples, recipe.feature_cache()) == ("features", 8, 8)
     assert load_config(None, ["zo.cache=prefix", "trainable.mode=none", "trainable.label_head=true"],
                        schema=FederatedConfig).feature_cache() == 0
-    with pytest.raises(ConfigError, match="federation.cached_examples=4 .* this run has zo.cache: prefix"):
-        load_config(None, ["zo.cache=prefix", "federation.cached_examples=4"], schema=FederatedConfig)
+    round_prefixes = load_config(None, ["zo.cache=prefix", "federation.cached_examples=4"], schema=FederatedConfig)
+    assert round_prefixes.feature_cache() == 4  # the round's prefixes, for blocks above a frozen bottom
+    with pytest.raises(ConfigError, match="federation.cached_examples=4 .* this run has zo.cache: none"):
+        load_config(None, ["zo.cache=none", "federation.cached_examples=4"], schema=FederatedConfig)
+    with pytest.raises(ConfigError, match="fedavg back-propagates"):
+        load_config(None, ["zo.cache=prefix", "federation.cached_examples=4", "federation.method=fedavg"],
+                    schema=FederatedConfig)
     with pytest.raises(ConfigError, match="zo.cache"):
         load_config(None, ["zo.cache=everything"], schema=FederatedConfig)
 

@@ -324,6 +324,20 @@ def test_steps_relative_to_the_start_do_not_grow_with_the_tensor():
         ServerOptimizer("adam", relative=True, relative_to="initial")
 
 
+def test_the_floor_of_relative_steps_stays_at_the_starting_scale_when_a_zero_started_tensor_moves_first():
+    """LoRA's B tensors start at zero. Once one of them has moved, a floor read from the tensors now would be its
+    tiny RMS, and every other B would step by that: the floor is the smallest RMS a nonzero tensor started with,
+    so a B that moves late steps at its A's scale as the first one did."""
+    opt = ServerOptimizer("adam", lr=1e-2, granularity="tensor", relative=True)
+    a, first_b, late_b = torch.full((4,), 0.02), torch.zeros(4), torch.zeros(4)
+    state = opt.init([a, first_b, late_b])
+    d = [torch.tensor([1.0, -1.0, 1.0, -1.0])] * 2 + [torch.zeros(4)]  # the late B gets no update in round 1
+    state = opt.apply([a, first_b, late_b], state, d)
+    assert float(first_b.abs().mean()) == pytest.approx(2e-4, rel=1e-3) and not late_b.any()
+    opt.apply([a, first_b, late_b], state, [torch.zeros(4), torch.zeros(4), torch.tensor([1.0, -1.0, 1.0, -1.0])])
+    assert float(late_b.abs().mean()) == pytest.approx(2e-4, rel=1e-2)  # not 2e-4 x 2e-4
+
+
 def test_a_warm_started_server_round_moves_the_probed_blocks_by_less_than_full_steps():
     """In a real round the server passes each probed block's expected energy to the optimizer: without a warm
     start every moved block moves by about lr (rms over the block), with one by less, and the same blocks

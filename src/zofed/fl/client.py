@@ -101,10 +101,10 @@ def client_cache(ctx: ClientContext, local: LocalTraining) -> PrefixCache | None
 def simulation_prefixes(ctx: ClientContext, pass_fraction: float, feature_cache: int,
                         client_indices: Sequence[np.ndarray]) -> PrefixMemo | None:
     """The memo a simulation keeps of its clients' prefixes, when their steps could split the model above a frozen
-    bottom (a prefix cache, or whole passes charged with zo.cache: none, which the simulator then splits all the
-    same; no remembered body features, no round features) and the rows of their examples fit the simulator's memory
-    (`simulation_memo`); None otherwise."""
-    if feature_cache or ctx.body is not None or not ctx.task.splits_at_prefix:
+    bottom (a prefix cache, a round's cached prefixes, or whole passes charged with zo.cache: none, which the
+    simulator then splits all the same; not the label head's round features, nor where body features are
+    remembered) and the rows of their examples fit the simulator's memory (`simulation_memo`); None otherwise."""
+    if ctx.body is not None or not ctx.task.splits_at_prefix or (feature_cache and pass_fraction == 0.0):
         return None
     start = first_trainable_layer(ctx.model, ctx.trainable.names)
     if start is None or (pass_fraction >= 1.0 and start == 0):  # nothing frozen below: nothing to remember
@@ -146,15 +146,38 @@ class RoundFeatures:
         return F.cross_entropy(shifted(ctx.task.feature_logits(ctx.model, cache, features), shift), labels)
 
 
+@dataclass
+class RoundPrefixes:
+    """The examples a client ran through its frozen bottom this round (zo.cache: prefix with
+    federation.cached_examples): every local step draws its batch from them, as `RoundFeatures` does, and runs only
+    the blocks above the split, reading their prefixes from the cache's memo (each computed once, alone)."""
+
+    chosen: np.ndarray
+    cache: PrefixCache
+
+    def step_loss(self, ctx: ClientContext, local: LocalTraining, client_id: int, step: int, cache: PrefixCache,
+                  shift: torch.Tensor | None):
+        """The loss of local step `step`'s batch, as a function of the trainable top blocks (a ZO step's loss)."""
+        rows = self.chosen[batch_rows(local, client_id, np.arange(len(self.chosen)), step)]
+        return ctx.task.cached_loss(ctx.model, self.cache, ctx.task.collate(ctx.train, rows), shift)
+
+
 def round_features(ctx: ClientContext, local: LocalTraining, client_id: int, indices: np.ndarray,
-                   cache: PrefixCache | None) -> RoundFeatures:
+                   cache: PrefixCache | None) -> RoundFeatures | RoundPrefixes:
     """Run `local.feature_cache` of the client's examples (a draw of its own stream; all when it has fewer)
-    through the frozen model once."""
-    if cache is None or not hasattr(ctx.task, "last_features"):
-        raise ValueError("zo.cache: features needs a prompt-classification task with every block frozen and "
-                         "the prefix cached")
+    through the frozen part once: the whole body, whose last hidden states the label head reads, when every block
+    is frozen; else the bottom below the cache's split, whose rows the round's steps read."""
+    if cache is None:
+        raise ValueError("federation.cached_examples needs the prefix cached (zo.cache: features or prefix) on a "
+                         "decoder whose trainable tensors lie above a frozen bottom")
     rng = streams.round_features(local.run_seed, local.round_id, client_id)
     chosen = np.sort(rng.choice(indices, size=min(local.feature_cache, len(indices)), replace=False))
+    if cache.start < len(cache.layers):  # blocks train: keep the chosen examples' prefixes for the round
+        memo = cache.memo if cache.memo is not None else PrefixMemo()  # the simulator's, or the round's own
+        return RoundPrefixes(chosen, PrefixCache(ctx.model, cache.start, ctx.task.full_vocabulary, memo))
+    if not hasattr(ctx.task, "last_features"):
+        raise ValueError("zo.cache: features needs a prompt-classification task with every block frozen and "
+                         "the prefix cached")
     features = ctx.task.last_features(cache, ctx.train, chosen, body=ctx.body)
     return RoundFeatures(features, torch.as_tensor(ctx.train.labels[chosen], device=features.device))
 

@@ -9,6 +9,9 @@
 - Steps on cached features (every block frozen, the label head trains): the body runs once a round over the
   cached examples, a pass per batch, and each step costs what it runs on the head: its passes (ZO: 2q central or
   q + 1 one-sided; first-order: a forward and a backward, 3) times the head's share.
+- Steps on a round's cached prefixes (zo.cache: prefix with federation.cached_examples; ZO only): the frozen
+  bottom runs once a round over the cached examples, its share of a pass per batch, and each step costs its
+  perturbed passes over the top.
 
 benchmarks/cost_model.py times each kind of step against a full forward pass and writes the measured ratios
 beside these (docs/results/cost_model.md).
@@ -36,15 +39,19 @@ def head_step(head_fraction: float, first_order: bool, queries: int, estimator: 
 
 def step_passes(local: LocalTraining, first_order: bool) -> float:
     """One local step's compute in full forward passes (without the round's pass over cached features)."""
-    if local.feature_cache:
+    if local.feature_cache and local.pass_fraction == 0.0:  # every block frozen: the steps run the head
         return head_step(local.head_fraction, first_order, local.queries, local.estimator)
+    if local.feature_cache:
+        if first_order:
+            raise ValueError("a round's cached prefixes serve ZO steps; a first-order step runs its own batch")
+        return zo_passes(local.queries, local.estimator) * local.pass_fraction
     if first_order:
         return first_order_step(local.backward_fraction)
     return forward_equivalents(local.pass_fraction, local.queries, local.estimator)
 
 
 def round_passes(local: LocalTraining, first_order: bool) -> float:
-    """One client's compute in a round: its local steps, plus, with cached features, the body's pass over the
-    round's `feature_cache` examples in batches (`feature_cache / batch_size` full passes)."""
-    body = local.feature_cache / local.batch_size if local.feature_cache else 0.0
+    """One client's compute in a round: its local steps, plus, with cached features or prefixes, the frozen part's
+    pass over the round's `feature_cache` examples in batches (`feature_cache / batch_size` passes of its share)."""
+    body = local.feature_cache / local.batch_size * (1.0 - local.pass_fraction) if local.feature_cache else 0.0
     return body + local.local_steps * step_passes(local, first_order)

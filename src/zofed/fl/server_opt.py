@@ -11,8 +11,8 @@ operation:
                   amsgrad: v as adam, vhat <- max(vhat, v), and vhat divides
                   num, den = m, sqrt(v) + tau
     trust ratio   scale <- scale * max(rms(x), r0)            (a layer-wise trust ratio, as in LAMB; r0: the
-                                                              smallest RMS of a nonzero trainable tensor; x the
-                                                              tensor now, or as the run started it)
+                                                              smallest RMS a nonzero trainable tensor started
+                                                              with; x the tensor now, or as the run started it)
     schedule      scale <- scale * lr_t                      (constant, or a cosine to zero over R rounds)
     then          x <- x + scale * num / den
 
@@ -30,8 +30,9 @@ method supplies `expected_square`).
 The relative step makes lr a relative step size, so a small-valued tensor (a freshly drawn classifier head, std
 0.02) is not moved as far as a unit-scale gain. A tensor that starts at zero (LoRA's B) has no scale of its own (its
 own RMS would give it a full absolute step, then steps too small to get it anywhere), so it is measured against a
-floor, the smallest RMS among the nonzero trainable tensors (LoRA's A), until it outgrows it; a set without zero
-tensors steps exactly as without the floor, and only when every tensor is zero does lr become absolute. The cosine
+floor fixed when the run starts, the smallest RMS among the nonzero trainable tensors (LoRA's A), until it outgrows
+it; a set without zero tensors steps as without the floor (unless a tensor shrinks below it), and only when every
+tensor is zero does lr become absolute. The cosine
 schedule shrinks a normalized step that would otherwise keep its length when the update is mostly noise.
 
 Every mean square and RMS of the chain is taken by zo/reduce.py, in a fixed order: the step is the same bits at any
@@ -144,25 +145,27 @@ def _rms(tensors: Sequence[torch.Tensor]) -> list[float]:
 
 @dataclass(frozen=True)
 class TrustRatio:
-    """Scales each tensor's step by the tensor's root mean square, floored at the smallest RMS of a nonzero
-    trainable tensor (1 when every tensor is zero): its RMS now (`current`, LAMB's ratio), or the RMS it started
-    the run with (`start`, kept in the state). Against the current RMS a zero-started tensor (LoRA's B) first
-    moved late is measured against whatever tiny floor the other such tensors have set by then, and a tensor's
-    step grows with the tensor; against the starting scale every B is measured against its A's (docs/method.md,
-    relative steps)."""
+    """Scales each tensor's step by the tensor's root mean square, its RMS now (`current`, LAMB's ratio) or the
+    RMS it started the run with (`start`), floored at the smallest RMS a nonzero trainable tensor started the run
+    with (1 when every tensor started at zero; the starting RMS are kept in the state). The floor is fixed at the
+    start: a zero-started tensor (LoRA's B) steps at its A's scale until it outgrows it. A floor read from the
+    tensors now would sink to the first B's tiny RMS once one moved, and every B would then creep from there by a
+    factor of (1 + lr) a round (docs/method.md, relative steps)."""
 
     anchor: str = "current"  # current or start
     extras: frozenset[str] = frozenset()
 
     def init(self, tensors: Sequence[torch.Tensor]) -> Buffers:
-        if self.anchor == "current":
-            return {}
         return {"start_rms": [t.new_full((1,), r, dtype=torch.float64) for t, r in zip(tensors, _rms(tensors),
                                                                                           strict=True)]}
 
     def update(self, steps, buffers, tensors, step, extras):
-        rms = _rms(tensors) if self.anchor == "current" else [float(r) for r in buffers["start_rms"]]
-        floor = min((r for r in rms if r > 0), default=1.0)
+        if "start_rms" not in buffers:
+            raise ValueError("this server state was saved before relative steps kept each tensor's starting RMS: "
+                             "resume it with the zofed version that wrote it, or start the run again")
+        start = [float(r) for r in buffers["start_rms"]]
+        floor = min((r for r in start if r > 0), default=1.0)
+        rms = _rms(tensors) if self.anchor == "current" else start
         for s, r in zip(steps, rms, strict=True):
             s.scale *= max(r, floor)
         return steps

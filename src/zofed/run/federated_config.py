@@ -101,7 +101,9 @@ class FederationSection(_Section):
     # With zo.cache: features (prompt classification with every block frozen, e.g. the label head alone): a
     # client runs this many of its examples through the frozen model once a round (all of them when it has fewer,
     # charged as this many) and takes its local steps on their last hidden states, so a step costs the head alone
-    # and a round can hold many. None: train.batch_size (one pass a round).
+    # and a round can hold many. None: train.batch_size (one pass a round). With zo.cache: prefix (ZO methods):
+    # the same for the blocks above a frozen bottom, each step running only them on the round's kept prefixes;
+    # None: every step captures its own batch.
     cached_examples: int | None = Field(None, ge=1)
     # The precision of the clients' scalars on the wire: 16 sends each as float16 (2 bytes, about 3 significant
     # digits, saturating at 65504), so twice the steps fit the same uplink. Clients round each scalar before
@@ -315,20 +317,29 @@ class FederatedConfig(FinetuneConfig):
     @model_validator(mode="after")
     def _cached_features_need_a_head(self) -> FederatedConfig:
         fed = self.federation
-        if fed.cached_examples is not None and self.zo.cache != "features":
+        if fed.cached_examples is not None and self.zo.cache not in ("features", "prefix"):
             raise ValueError(f"federation.cached_examples={fed.cached_examples} counts the examples a client runs "
-                             f"through its frozen model once a round with zo.cache: features; this run has zo.cache: "
-                             f"{self.zo.cache} (leave cached_examples unset, or set zo.cache: features)")
+                             f"through its frozen part once a round with zo.cache: features (the label head) or "
+                             f"prefix (blocks above a frozen bottom); this run has zo.cache: {self.zo.cache} (leave "
+                             f"cached_examples unset, or set zo.cache)")
+        if fed.cached_examples is not None and self.zo.cache == "prefix" and get_method(fed.method).first_order:
+            raise ValueError(f"federation.cached_examples with zo.cache: prefix keeps a round's prefixes for ZO "
+                             f"steps; {fed.method} back-propagates through the top blocks on every batch (leave "
+                             f"cached_examples unset)")
         if self.zo.cache == "features" and self.task.type != "prompt-classification":
             raise ValueError(f"zo.cache: features caches what a prompt classifier's head reads; task.type "
                              f"{self.task.type} has no such head (use zo.cache: prefix)")
         return self
 
     def feature_cache(self) -> int:
-        """The examples a client runs through its frozen model once a round (0: every step runs its own batch)."""
-        if self.zo.cache != "features":
-            return 0
-        return self.federation.cached_examples or self.train.batch_size
+        """The examples a client runs through its frozen part once a round, then draws every step's batch from
+        (0: every step runs its own batch): with zo.cache: features (train.batch_size unless set), or prefix when
+        federation.cached_examples is set."""
+        if self.zo.cache == "features":
+            return self.federation.cached_examples or self.train.batch_size
+        if self.zo.cache == "prefix":
+            return self.federation.cached_examples or 0
+        return 0
 
     @model_validator(mode="after")
     def _no_centralized_only(self) -> FederatedConfig:
