@@ -277,10 +277,13 @@ def test_the_learning_curve_reads_remembered_prefixes_of_the_watched_examples(tm
                "federation.rounds=3", "federation.eval_every=1", "federation.local_steps=2"]
     splits, curves = [], {}
     watched_prefixes = federated.watched_prefixes
+    def recording(*args):
+        splits.append(watched_prefixes(*args))
+        return splits[-1]
+
     for remember in (False, True):
         with monkeypatch.context() as patch:
-            patch.setattr(federated, "watched_prefixes", lambda *args: splits.append(watched_prefixes(*args))
-                          or splits[-1] if remember else None)
+            patch.setattr(federated, "watched_prefixes", recording if remember else lambda *args: None)
             federated.run_federated(tiny_federated_config(ws, tmp_path / f"run-{remember}", *options),
                                     show_progress=False)
         records = [json.loads(line) for line in (tmp_path / f"run-{remember}" / "metrics.jsonl").open()]
