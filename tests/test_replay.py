@@ -91,16 +91,18 @@ def test_a_resumed_run_cuts_its_log_back_to_the_checkpoint_and_replays(tiny_work
 def test_steps_relative_to_the_start_resume_and_replay_bit_for_bit(tiny_workspace, tmp_path):
     """The starting RMS a `relative_to=start` step is measured against lives in the optimizer's state: a run
     resumed from its checkpoint keeps it, and the replay rebuilds it from the starting tensors alone."""
-    out, start = tmp_path / "run", "federation.server_optimizer.relative_to=start"
-    run_federated(tiny_federated_config(tiny_workspace, out, start, "federation.rounds=1"), show_progress=False)
-    run_federated(tiny_federated_config(tiny_workspace, out, start), resume=True, show_progress=False)
+    # a server lr large enough that LoRA's B outgrows the floor (its A's starting RMS) within the run
+    out, lr = tmp_path / "run", "federation.server_optimizer.lr=2"
+    start = "federation.server_optimizer.relative_to=start"
+    run_federated(tiny_federated_config(tiny_workspace, out, start, lr, "federation.rounds=1"), show_progress=False)
+    run_federated(tiny_federated_config(tiny_workspace, out, start, lr), resume=True, show_progress=False)
     straight = tmp_path / "straight"
-    run_federated(tiny_federated_config(tiny_workspace, straight, start), show_progress=False)
+    run_federated(tiny_federated_config(tiny_workspace, straight, start, lr), show_progress=False)
     assert (out / "final" / "trainable.safetensors").read_bytes() == \
         (straight / "final" / "trainable.safetensors").read_bytes()
     assert replay_run(out).matches
     current = tmp_path / "current"  # the same run measured against the current RMS ends elsewhere
-    run_federated(tiny_federated_config(tiny_workspace, current), show_progress=False)
+    run_federated(tiny_federated_config(tiny_workspace, current, lr), show_progress=False)
     assert (current / "final" / "trainable.safetensors").read_bytes() != \
         (straight / "final" / "trainable.safetensors").read_bytes()
 
