@@ -84,13 +84,13 @@ def client_cache(ctx: ClientContext, local: LocalTraining) -> PrefixCache | None
     miscounted). A plan charging whole passes gets no cache, but in the simulator a split reading the remembered
     prefixes or body features (`simulation_prefixes`, `Setup.simulated_body`): the charge stays the plan's, only
     the simulator's time is saved."""
-    if local.pass_fraction >= 1.0:
-        if ctx.prefixes is None and ctx.body is None:
-            return None
-        start = first_trainable_layer(ctx.model, ctx.trainable.names)
-        return PrefixCache(ctx.model, start, ctx.task.full_vocabulary, ctx.prefixes)
+    simulated = ctx.prefixes is not None or ctx.body is not None
+    if local.pass_fraction >= 1.0 and not simulated:
+        return None
     start = first_trainable_layer(ctx.model, ctx.trainable.names)
     cache = PrefixCache(ctx.model, start, ctx.task.full_vocabulary, ctx.prefixes) if start is not None else None
+    if local.pass_fraction >= 1.0:  # the simulator's own split; the plan's charge stays whole passes
+        return cache
     if cache is None or abs(cache.fraction - local.pass_fraction) > 1e-9:
         raise ValueError(f"the round plan charges {local.pass_fraction:.4f} of a full pass per perturbed pass, "
                          "but on this client's model " + ("no block can start a cached pass" if cache is None
@@ -173,8 +173,9 @@ def round_features(ctx: ClientContext, local: LocalTraining, client_id: int, ind
     rng = streams.round_features(local.run_seed, local.round_id, client_id)
     chosen = np.sort(rng.choice(indices, size=min(local.feature_cache, len(indices)), replace=False))
     if cache.start < len(cache.layers):  # blocks train: keep the chosen examples' prefixes for the round
-        memo = cache.memo if cache.memo is not None else PrefixMemo()  # the simulator's, or the round's own
-        return RoundPrefixes(chosen, PrefixCache(ctx.model, cache.start, ctx.task.full_vocabulary, memo))
+        if cache.memo is None:  # no simulator memo (a Flower client): the round keeps its own
+            cache = PrefixCache(ctx.model, cache.start, ctx.task.full_vocabulary, PrefixMemo())
+        return RoundPrefixes(chosen, cache)
     if not hasattr(ctx.task, "last_features"):
         raise ValueError("zo.cache: features needs a prompt-classification task with every block frozen and "
                          "the prefix cached")
