@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from calibrate import use_feature_store  # benchmarks/ is the script's own directory, so first on sys.path
+from ranking_calibration import calibration_stop
 from ranking_protocol import (
     PHASES,
     RESULTS,
@@ -122,8 +123,12 @@ def run_one(phase: str, table: str, row: str, dataset: str, alpha: float, seed: 
         return zero_shot(phase, table, row, dataset, alpha, seed, lr)
     out = run_dir(phase, table, row, dataset, alpha, seed, lr)
     config = run_config(phase, table, row, dataset, alpha, seed, lr, out)
+    stop = None
+    if phase == "calibrate":  # the rows stored so far, this sitting's included (record_rows writes each as it ends)
+        stored = current_rows(protocol(), json.loads(TABLE.read_text()))[0] if TABLE.is_file() else []
+        stop = calibration_stop(protocol(), table, row, dataset, stored, lambda: starting_accuracy(out))
     results = run_federated(config, resume=find_checkpoint(out / "checkpoint") is not None,
-                            show_progress=sys.stderr.isatty())
+                            show_progress=sys.stderr.isatty(), stop=stop)
     expected = per_client_round_cost(table, row, dataset)
     if abs(results["forward_passes_per_client_round"] - expected) > 1e-9:  # the row's cost model must be the run's
         raise RuntimeError(f"{row}: the run counted {results['forward_passes_per_client_round']} passes a client "
@@ -134,7 +139,7 @@ def run_one(phase: str, table: str, row: str, dataset: str, alpha: float, seed: 
         for r in rounds if "eval_accuracy" in r]
     with safe_open(out / "final" / "trainable.safetensors", "pt") as stored:
         tensors = len(list(stored.keys()))
-    return {**_identity(phase, table, row, dataset, alpha, seed, lr), "rounds": config.federation.rounds,
+    return {**_identity(phase, table, row, dataset, alpha, seed, lr), "rounds": results["rounds"],
             "forward_passes": results["forward_passes"],
             "forward_passes_per_client_round": results["forward_passes_per_client_round"],
             "final_accuracy": round(results["test"]["accuracy"], 4), "test_examples": results["test_examples"],
@@ -144,6 +149,13 @@ def run_one(phase: str, table: str, row: str, dataset: str, alpha: float, seed: 
             "bytes_down_per_client_round": results["bytes_down_per_client_round"],
             "curve": curve, "wall_seconds": round(sum(r["round_seconds"] for r in rounds), 1),
             "run_dir": str(out.relative_to(ROOT))}
+
+
+def starting_accuracy(out: Path) -> float:
+    """A run's round-0 curve point, from its metrics."""
+    starts = [r["eval_accuracy"] for r in MetricsLog(out / "metrics.jsonl").read()
+              if r.get("event") == "eval" and r.get("round") == 0]
+    return starts[-1]
 
 
 def _process(phase: str, table: str, row: str, dataset: str, alpha: float, seed: int, lr: float,

@@ -1,13 +1,19 @@
 """A table's budget, calibrated: the smallest multiple of the federation's budget (up to the protocol's
 max_multiple) at which the best of the table's `calibrate` rows (its ZO baselines) gains at least `gain` over the
-starting model on the validation split, on every dataset. Each calibration run goes the whole max_multiple x budget
-once; its curve's last point within a budget stands for a run stopped there (no schedule or averaging of the
-calibrated rows depends on the number of rounds)."""
+starting model on the validation split, on every dataset. A calibration run's curve's last point within a budget
+stands for a run stopped there (no schedule or averaging of the calibrated rows depends on the number of rounds).
+So with one calibration seed a run stops at the end of the first multiple at which it has gained `gain`, or of the
+smallest multiple at which a stored run of its dataset did (`CalibrationStop`): past either point nothing it could
+show changes the budget chosen, and at larger budgets its last point stands for it. With several seeds a (row,
+lr) is judged by its mean over them, and every run goes the whole max_multiple x budget."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
-from ranking_protocol import Protocol, grid  # benchmarks/ is the script's own directory
+from ranking_protocol import Protocol, curve_every, grid, multiple_rounds  # benchmarks/ is the script's directory
 
 
 def accuracy_within(curve: list[list[float]], budget: float) -> float:
@@ -36,6 +42,51 @@ def budget_gains(p: Protocol, table: str, dataset: str, rows: list[dict]) -> lis
                 best = {"row": row, "lr": lr, "gain": gain, "seeds": len(rs)}
         out.append({"budget": budget, "best": best, "complete": len(runs) >= expected})
     return out
+
+
+def passing_multiple(p: Protocol, table: str, dataset: str, rows: list[dict]) -> int | None:
+    """The first multiple of the budget at which the dataset's stored calibration runs' best gain reaches the
+    target (None: none yet)."""
+    assert p.calibration is not None
+    for multiple, point in enumerate(budget_gains(p, table, dataset, rows), 1):
+        if point["best"] is not None and point["best"]["gain"] >= p.calibration.gain:
+            return multiple
+    return None
+
+
+@dataclass
+class CalibrationStop:
+    """Asked after each round of a calibration run (`run_federated`'s `stop`): True at the run's last curve point
+    within a multiple of the budget when the run has gained `gain` over its starting accuracy there, or when that
+    multiple is `cap` (the dataset's smallest passing multiple so far)."""
+
+    last_rounds: list[int]  # the rounds each multiple buys the row (`multiple_rounds`)
+    every: int  # rounds between curve points
+    gain: float
+    cap: int | None
+    start: Callable[[], float]  # the run's starting accuracy (its round-0 curve point)
+
+    def __call__(self, record: dict) -> bool:
+        if "eval_accuracy" not in record:
+            return False
+        done = record["round"]
+        # the multiples this point closes: no later curve point fits their budget
+        closes = [m for m, last in enumerate(self.last_rounds, 1) if done <= last < done + self.every]
+        if not closes:
+            return False
+        return (self.cap is not None and max(closes) >= self.cap) or \
+            record["eval_accuracy"] - self.start() >= self.gain
+
+
+def calibration_stop(p: Protocol, table: str, row: str, dataset: str, rows: list[dict],
+                     start: Callable[[], float]) -> CalibrationStop | None:
+    """The stop of a calibration run of `row` on `dataset`, given the stored rows; None with several calibration
+    seeds (a run alone does not decide its (row, lr))."""
+    assert p.calibration is not None
+    if len(p.calibration.seeds) != 1:
+        return None
+    return CalibrationStop(multiple_rounds(p, table, row, dataset), curve_every(p, "calibrate", table, row, dataset),
+                           p.calibration.gain, passing_multiple(p, table, dataset, rows), start)
 
 
 def _smallest_passing(p: Protocol, per_dataset: list[list[dict]]) -> float | None:
@@ -69,8 +120,10 @@ def calibration_lines(p: Protocol, table: str, rows: list[dict]) -> list[str]:
     budgets = [m * p.federation.budget for m in range(1, cal.max_multiple + 1)]
     lines = ["", "### Budget calibration", "",
              f"Rows {', '.join(p.tables[table].calibrate)} on the calibration grid, seeds {cal.seeds}, each run "
-             f"once to {budgets[-1]:,.0f} passes; the gain in validation accuracy over the starting model (curve "
-             f"subset) of the best row and lr at each budget. Target: at least {cal.gain:.2f} on every dataset.", "",
+             f"once up to {budgets[-1]:,.0f} passes (with one seed it stops at the first multiple where it, or "
+             "a run of its dataset before it, passed: its last point stands for it at larger budgets); the gain in "
+             "validation accuracy over the starting model (curve subset) of the best row and lr at each budget. "
+             f"Target: at least {cal.gain:.2f} on every dataset.", "",
              "| dataset | " + " | ".join(f"{b:,.0f}" for b in budgets) + " |",
              "|---|" + "---:|" * len(budgets)]
     per_dataset = [budget_gains(p, table, d, rows) for d in p.datasets]

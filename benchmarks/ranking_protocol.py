@@ -372,15 +372,28 @@ def pending_runs(p: Protocol, table: str, phase: str, rows: list[str], datasets:
     return runs, notes
 
 
+def multiple_rounds(p: Protocol, table: str, row: str, dataset: str) -> list[int]:
+    """The rounds each multiple of the federation's budget (1 .. calibration.max_multiple) buys this row."""
+    cost = per_client_round_cost(table, row, dataset)
+    top = p.calibration.max_multiple if p.calibration else 1
+    return [int(m * p.federation.budget // (p.federation.per_round * cost)) for m in range(1, top + 1)]
+
+
+def curve_every(p: Protocol, phase: str, table: str, row: str, dataset: str) -> int:
+    """The rounds between a run's curve points: `evaluations` a run, or for calibration two per budget's worth of
+    rounds, so its curve reads off each multiple."""
+    rounds = rounds_for(table, row, dataset, phase)
+    if phase == "calibrate" and rounds:
+        return max(1, multiple_rounds(p, table, row, dataset)[0] // 2)
+    return max(1, rounds // p.federation.evaluations)
+
+
 def run_overrides(p: Protocol, phase: str, table: str, row: str, dataset: str, alpha: float, seed: int,
                   lr: float, out: Path) -> list[str]:
     """Every override of one run: the row's, then what the runner sets (lr, rounds, cadence, split, seed). A
     calibration run evaluates twice per table budget's worth of rounds, so its curve reads off each multiple."""
     rounds = rounds_for(table, row, dataset, phase)
-    every = max(1, rounds // p.federation.evaluations)
-    if phase == "calibrate" and rounds:
-        base = int(p.federation.budget // (p.federation.per_round * per_client_round_cost(table, row, dataset)))
-        every = max(1, base // 2)
+    every = curve_every(p, phase, table, row, dataset)
     runner = [f"data.evaluate_on={'test' if phase == 'final' else 'validation'}",
               f"federation.partition.alpha={alpha}", f"federation.partition.seed={seed}", f"train.seed={seed}",
               f"out_dir={out}"]

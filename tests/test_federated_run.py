@@ -284,3 +284,29 @@ def test_a_run_logged_to_a_file_prints_a_line_per_evaluated_round_and_the_last(t
     lines = [line for line in log.getvalue().splitlines() if line.startswith("round ")]
     assert [line.split(" | ")[0] for line in lines] == ["round 2/3", "round 3/3"]
     assert "eval acc" in lines[0] and "loss" in lines[1]
+
+
+def test_a_stop_ends_the_run_after_a_round_and_a_resume_of_the_stopped_run_stops_at_once(tiny_workspace, tmp_path):
+    asked = []
+
+    def at_round_two(record: dict) -> bool:
+        asked.append(record["round"])
+        return record["round"] == 2
+
+    config = _config(tiny_workspace, tmp_path / "run", "federation.rounds=5")
+    results = run_federated(config, show_progress=False, stop=at_round_two)
+    assert asked == [1, 2] and results["rounds"] == 2 and results["stopped_early"]
+    rounds = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [r["round"] for r in rounds] == [1, 2]
+    stopped = load_file(str(tmp_path / "run" / "final" / "trainable.safetensors"))
+    # the same run without a stop, cut at round 2 by its rounds, ends with the same tensors
+    whole = run_federated(_config(tiny_workspace, tmp_path / "two", "federation.rounds=2"), show_progress=False)
+    assert not whole["stopped_early"]
+    two = load_file(str(tmp_path / "two" / "final" / "trainable.safetensors"))
+    assert all(torch.equal(stopped[k], two[k]) for k in two)
+    # resumed, it asks the stop of its checkpoint's round and trains no further
+    again = run_federated(config, resume=True, show_progress=False, stop=at_round_two)
+    assert asked == [1, 2, 2] and again["rounds"] == 2
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 3
+    # without the stop the resume goes on to the configured rounds
+    assert run_federated(config, resume=True, show_progress=False)["rounds"] == 5

@@ -198,6 +198,35 @@ def test_the_calibrated_budget_is_the_smallest_multiple_at_which_the_best_baseli
     assert "No budget up to" in "\n".join(calibration.calibration_lines(P, "top4", low))
 
 
+def test_a_calibration_run_stops_at_the_first_multiple_where_it_or_a_run_of_its_dataset_before_it_passed():
+    last = protocol.multiple_rounds(P, "top4", "hiso", "agnews")
+    every = protocol.curve_every(P, "calibrate", "top4", "hiso", "agnews")
+    assert len(last) == P.calibration.max_multiple and last[-1] == protocol.rounds_for("top4", "hiso", "agnews",
+                                                                                         "calibrate")
+    points = range(every, last[-1] + 1, every)  # the curve's rounds (a run evaluates every `every`)
+    closing = [max(r for r in points if r <= rounds) for rounds in last]  # each multiple's last point
+    assert closing[0] < last[0] + 1 and closing[0] + every > last[0]
+    gain = P.calibration.gain
+    fresh = calibration.calibration_stop(P, "top4", "hiso", "agnews", [], lambda: 0.6)
+    assert fresh is not None and fresh.cap is None
+    point = {"round": closing[1], "eval_accuracy": 0.6 + gain}
+    assert fresh(point) and not fresh({**point, "eval_accuracy": 0.6 + gain - 0.01})
+    assert not fresh({"round": closing[1]})  # a round without a curve point
+    assert not fresh({"round": closing[1] - every, "eval_accuracy": 0.9})  # a point inside a multiple
+    # a stored run of the dataset passed at the second multiple: later runs stop there whatever they gained
+    stored = [_calibration_run("decomfl", P.calibration.grid[0], "agnews", [0.0, gain, gain, gain])]
+    stored[0]["seed"] = P.calibration.seeds[0]
+    capped = calibration.calibration_stop(P, "top4", "hiso", "agnews", stored, lambda: 0.6)
+    assert capped.cap == 2 and capped({"round": closing[1], "eval_accuracy": 0.5})
+    assert not capped({"round": closing[0], "eval_accuracy": 0.61})
+    # another dataset's run sets no cap; with several seeds a run alone decides nothing and never stops
+    assert calibration.calibration_stop(P, "top4", "hiso", "sst2", stored, lambda: 0.6).cap is None
+    data = yaml.safe_load(protocol.PROTOCOL.read_text())
+    data["calibration"]["seeds"] = [0, 1]
+    assert calibration.calibration_stop(protocol.Protocol.model_validate(data), "top4", "hiso", "agnews", [],
+                                        lambda: 0.6) is None
+
+
 def test_a_calibration_row_stays_current_when_its_table_takes_the_budget_it_chose():
     data = yaml.safe_load(protocol.PROTOCOL.read_text())
     data["tables"]["top4"]["budget"] = 3 * P.federation.budget

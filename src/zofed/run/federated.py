@@ -146,6 +146,13 @@ class FederatedRun:
                                                           body=self.setup.body, prefixes=self.watched_split)
         self.metrics.write({"step": 0, "event": "eval", "round": 0, **{f"eval_{k}": v for k, v in result.items()}})
 
+    def last_round(self) -> dict | None:
+        """The record of the round the run resumes after (None for a fresh start)."""
+        if self.start_round == 0:
+            return None
+        rounds = [r for r in self.metrics.read() if r.get("event") == "round" and r.get("round") == self.start_round]
+        return rounds[-1] if rounds else None
+
     def write_round(self, record: dict) -> None:
         """Record a finished round: its uplink-log line, then its metrics record, each on disk before the round's
         checkpoint (`checkpoint`, called after this) is swapped in. A kill anywhere between them leaves records
@@ -208,7 +215,9 @@ class FederatedRun:
         key = f"eval_{metric}"
         start = [r[key] for r in records if r["event"] == "eval" and r.get("round") == 0 and key in r]
         evaluated = [r[key] for r in history if key in r]
-        results = {"test": test, "test_examples": len(setup.test), "method": fed.method, "rounds": fed.rounds,
+        rounds = history[-1]["round"] if history else 0  # fewer than fed.rounds when a `stop` ended the run
+        results = {"test": test, "test_examples": len(setup.test), "method": fed.method, "rounds": rounds,
+                   "stopped_early": rounds < fed.rounds,
                    "client_metric": metric, CLIENT_LISTS[metric]: clients,
                    "client_test_examples": sum(len(idx) for idx in held_out),
                    f"client_{metric}_mean": float(np.mean(clients)) if clients else None,
@@ -351,17 +360,22 @@ def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Conso
 
 
 def run_federated(config: FederatedConfig, *, resume: bool = False, show_progress: bool = True,
-                  console: Console | None = None) -> dict[str, Any]:
-    """Run the configured federation on the in-process engine; returns (and writes) the final results."""
+                  console: Console | None = None, stop: Callable[[dict], bool] | None = None) -> dict[str, Any]:
+    """Run the configured federation on the in-process engine; returns (and writes) the final results. `stop`
+    (a round's record -> bool) may end it before `federation.rounds`: asked after each round's checkpoint, and of
+    the checkpoint's round when a stopped run is resumed, so a resume stops where the first sitting did."""
     console = console or Console()
     if config.flower.secure_aggregation:
         raise ConfigError("flower.secure_aggregation runs on the Flower backend (zofed run --backend flower); the "
                           "in-process engine has no separate clients to hide numbers from")
     run = prepare_run(config, resume=resume, console=console)
     t0 = time.perf_counter()
+    last = run.last_round()
+    stopped = stop is not None and last is not None and stop(last)
     with run.progress(console, show_progress) as on_round:
-        simulate(run.client_context(), [s.train for s in run.splits], run.server, config.federation.rounds,
-                 client=run.client_role(),
-                 start_round=run.start_round, evaluate=run.evaluate, on_round=on_round,
-                 on_checkpoint=run.checkpoint)  # a round's records, then its checkpoint
+        if not stopped:
+            simulate(run.client_context(), [s.train for s in run.splits], run.server, config.federation.rounds,
+                     client=run.client_role(), start_round=run.start_round, evaluate=run.evaluate,
+                     on_round=on_round, on_checkpoint=run.checkpoint,  # a round's records, then its checkpoint
+                     stop=stop)
         return run.finish(time.perf_counter() - t0)  # on the bar: the final test may generate for minutes

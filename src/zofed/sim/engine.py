@@ -64,10 +64,11 @@ def simulate(ctx: ClientContext, client_indices: Sequence[np.ndarray], server: S
              start_round: int = 0, evaluate: Callable[[int], dict[str, float]] | None = None,
              tamper: Tamper | None = None, on_round: Callable[[dict], None] | None = None,
              on_checkpoint: Callable[[int, ServerRole], None] | None = None,
-             client: ClientRole | None = None) -> SimulationResult:
+             client: ClientRole | None = None, stop: Callable[[dict], bool] | None = None) -> SimulationResult:
     """Run rounds `start_round`..`rounds`-1 of `server`'s plan; returns the final global tensors and per-round
     records. `on_round(record)` and then `on_checkpoint(rounds_done, server)` follow every round; `client`
-    replaces the honest client role built from `ctx` (a run with attackers passes its own)."""
+    replaces the honest client role built from `ctx` (a run with attackers passes its own); `stop(record)`, asked
+    after a round's checkpoint, ends the run there when it says True."""
     if len(client_indices) != server.plan.num_clients:
         raise ValueError(f"{len(client_indices)} clients hold data, the plan has {server.plan.num_clients}")
     client = client or ClientRole(ctx, server.plan.first_order_optimizer)
@@ -95,5 +96,7 @@ def simulate(ctx: ClientContext, client_indices: Sequence[np.ndarray], server: S
                 on_round(record)
             if on_checkpoint is not None:
                 on_checkpoint(round_id + 1, server)
+            if stop is not None and stop(record):
+                break
     result.global_tensors = server.model_tensors()
     return result
