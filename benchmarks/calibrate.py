@@ -25,12 +25,13 @@ import torch
 from row_pool import record_rows, run_rows  # benchmarks/ is the script's own directory, so first on sys.path
 
 from zofed.atomic_files import write_atomic_text
+from zofed.data.body_features import STORE_VARIABLE
 from zofed.data.builtin import load_shared, shared_data_dir
 from zofed.run.checkpoint import find_checkpoint
 from zofed.run.config import FinetuneConfig, load_config
 from zofed.run.finetune import finetune
 from zofed.run.metrics import MetricsLog
-from zofed.run.setup import FEATURE_STORE_VARIABLE, build
+from zofed.run.setup import build
 from zofed.zo.feature_scale import SETUP_PASSES
 from zofed.zo.prefix import forward_equivalents
 
@@ -114,7 +115,7 @@ FEATURE_STORE = ROOT / "runs" / "feature-store"
 def use_feature_store() -> None:
     """Keep the body features the runs of this process (and of those it starts) remember in FEATURE_STORE, unless
     the environment already names a store."""
-    os.environ.setdefault(FEATURE_STORE_VARIABLE, str(FEATURE_STORE))
+    os.environ.setdefault(STORE_VARIABLE, str(FEATURE_STORE))
 
 
 def _config(dataset: str, setting: str, lr: float, seed: int, out: Path) -> FinetuneConfig:

@@ -11,7 +11,7 @@ import torch
 from toy_federation import WORDS, tiny_federated_config
 
 from zofed.data.dataset import TextDataset
-from zofed.data.prefix_memo import PrefixMemo, simulation_memo
+from zofed.data.prefix_memo import PrefixMemo, RowStore, simulation_memo
 from zofed.data.task_factory import make_task
 from zofed.data.tasks import TaskConfig
 from zofed.models.selection import TrainableConfig, select_trainable
@@ -205,6 +205,45 @@ def test_a_resumed_run_with_remembered_prefixes_ends_bit_identical(tmp_path):
     split = load_file(str(tmp_path / "split" / "final" / "trainable.safetensors"))
     assert all(torch.equal(whole[k], split[k]) for k in whole)
 
+
+
+def test_a_store_keeps_the_rows_across_runs_and_a_run_reading_it_ends_bit_identical(tmp_path, monkeypatch):
+    """A cold store is filled by the first run; the second computes no row (it writes no file) and ends with the
+    first one's tensors, as does a run with no store at all."""
+    from safetensors.torch import load_file
+
+    import zofed.sim.engine as engine
+    from zofed.run.federated import run_federated
+
+    ws = _deep_workspace(tmp_path / "ws")
+    memos = []
+
+    def recording(*args):
+        memos.append(simulation_prefixes(*args))
+        return memos[-1]
+
+    simulation_prefixes = engine.simulation_prefixes
+    monkeypatch.setattr(engine, "simulation_prefixes", recording)
+    options = ["trainable.mode=lora", "trainable.lora_r=2", "trainable.lora_layers=[6, 7]", "zo.cache=prefix",
+               "federation.rounds=2", "federation.local_steps=2", "federation.method=zo-seeds"]
+    store = tmp_path / "store"
+    monkeypatch.setenv("ZOFED_FEATURE_STORE", str(store))
+    for name in ("cold", "warm"):
+        run_federated(tiny_federated_config(ws, tmp_path / name, *options), show_progress=False)
+        if name == "cold":
+            files = sorted(store.rglob("*.safetensors"))
+            assert files and all(f.parent.name.startswith("prefix.") for f in files)
+    cold, warm = memos
+    assert cold.computed > 0 and cold.loaded == 0 and warm.computed == 0 and warm.loaded == cold.computed
+    assert sorted(store.rglob("*.safetensors")) == files  # the warm run had nothing to add
+    monkeypatch.delenv("ZOFED_FEATURE_STORE")
+    run_federated(tiny_federated_config(ws, tmp_path / "none", *options), show_progress=False)
+    final = {name: load_file(str(tmp_path / name / "final" / "trainable.safetensors"))
+             for name in ("cold", "warm", "none")}
+    assert all(torch.equal(final["cold"][k], final[other][k]) for k in final["cold"] for other in ("warm", "none"))
+    (files[0].parent / "broken.safetensors").write_bytes(b"not a safetensors file")  # a damaged file is named
+    with pytest.raises(ValueError, match="broken.safetensors cannot be read"):
+        RowStore(files[0].parent)
 
 
 def _charged_whole_runs(tmp_path, monkeypatch, trainable, disable) -> dict:

@@ -25,6 +25,7 @@ from safetensors.torch import save
 from zofed.atomic_files import write_atomic_text
 from zofed.zo.prefix import PrefixCache
 
+STORE_VARIABLE = "ZOFED_FEATURE_STORE"  # the directory that keeps remembered rows across runs (unset: none does)
 KEY_BYTES = 16
 # In a store file's name: rows computed each alone (see lookup). Stores of rows computed in padded batches, whose
 # last bits depended on the batch, carry no such mark and are left unread.

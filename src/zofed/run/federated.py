@@ -210,6 +210,8 @@ class FederatedRun:
         held_out = [client_eval_indices(s, fed.client_eval_examples, config.train.seed) for s in self.splits]
         metric, clients = per_client_metric(setup, held_out, config.train.eval_batch_size)
         setup.save_remembered()
+        if self.watched_split is not None and self.watched_split.memo is not None:
+            self.watched_split.memo.save()
         records = self.metrics.read()
         history = [r for r in records if r["event"] == "round"]
         key = f"eval_{metric}"

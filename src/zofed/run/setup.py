@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save
 
 from zofed import streams
 from zofed.atomic_files import write_atomic_text
-from zofed.data.body_features import BodyFeatures, fingerprint
+from zofed.data.body_features import STORE_VARIABLE, BodyFeatures, fingerprint
 from zofed.data.builtin import BUILTIN_DATASETS, load_builtin, load_shared
 from zofed.data.dataset import TextDataset
 from zofed.data.spec import load_dataset_spec
@@ -32,7 +32,6 @@ from zofed.zo.feature_scale import combine, feature_noise_scales
 from zofed.zo.prefix import PrefixCache, first_trainable_layer
 
 # the directory that keeps remembered body features across runs (zo.cache: features), one file per model
-FEATURE_STORE_VARIABLE = "ZOFED_FEATURE_STORE"
 
 
 @dataclass
@@ -209,7 +208,7 @@ def body_memo(config: FinetuneConfig, model: torch.nn.Module, trainable: Trainab
                           "frozen (only the label head or the final norm trains: trainable.mode=none with "
                           "trainable.label_head=true); with trainable blocks use zo.cache: prefix")
     if config.zo.cache in ("features", "none") and whole is not None:  # none: for the simulator (`simulated_body`)
-        store = os.environ.get(FEATURE_STORE_VARIABLE) or None
+        store = os.environ.get(STORE_VARIABLE) or None
         return BodyFeatures(whole, None if store is None else Path(store),
                             None if store is None else fingerprint(model, trainable.names))
     # evaluations only, under the same test of a frozen body (a trained tied output embedding is not frozen)

@@ -49,7 +49,8 @@ def remembered_prefixes(client: ClientRole, server: ServerRole,
     try:
         yield
     finally:
-        if memo is not None:  # the rows are the simulation's: free them with it
+        if memo is not None:  # the rows are the simulation's: keep what its store lacks, free them with it
+            memo.save()
             for view in views:
                 view.prefixes = None
 
