@@ -31,7 +31,7 @@ def _setup(patterns=TOP_GAINS, mode="patterns"):
     return model, trainable, task, batch
 
 
-def test_the_cached_loss_is_the_full_loss_bit_for_bit_at_perturbed_weights():
+def test_the_cached_loss_is_the_full_loss_at_perturbed_weights():
     model, trainable, task, batch = _setup()
     start = first_trainable_layer(model, trainable.names)
     assert start == 2
@@ -39,7 +39,36 @@ def test_the_cached_loss_is_the_full_loss_bit_for_bit_at_perturbed_weights():
     cached = task.cached_loss(model, cache, batch)
     for seed in range(3):
         add_directions_(trainable.tensors(), [(seed, 0.05)], Perturbation())
-        assert cached() == task.loss(model, batch)
+        assert cached() == pytest.approx(task.loss(model, batch), abs=1e-6)  # the top block at the last token
+
+
+def test_the_top_llama_block_at_the_last_tokens_alone_gives_the_whole_blocks_rows_there():
+    """Queries at each right-padded row's last token, keys and values at all of its tokens, grouped key-value heads
+    and LoRA on q and v: the rows the whole block gives at those positions, within float rounding."""
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    from zofed.models.last_position import block_at_last_position, supports_last_position
+
+    model, trainable, task, batch = _setup(mode="lora")
+    add_directions_(trainable.tensors(), [(7, 0.5)], Perturbation())  # B moves off zero: LoRA changes q and v
+    cache = PrefixCache(model, 3)
+    prefix = cache.capture(batch.input_ids, batch.attention_mask)
+    top = cache.layers[3]
+    assert supports_last_position(top) and top.self_attn.num_key_value_groups == 2
+    last = batch.attention_mask.sum(1) - 1
+    assert len(set(last.tolist())) > 1  # rows of several lengths
+    rows = torch.arange(len(last))
+    with torch.no_grad():
+        whole = top(prefix.args[0], **prefix.kwargs)[rows, last]
+        alone = block_at_last_position(top, prefix.args[0], last, prefix.kwargs["position_embeddings"])
+        assert torch.allclose(alone, whole, atol=1e-5, rtol=1e-5)
+        split = cache.last_hidden(prefix, batch.attention_mask)
+        assert torch.allclose(split, cache.hidden(prefix)[rows, last], atol=1e-5, rtol=1e-5)
+    assert not supports_last_position(BertLayer(BertConfig(hidden_size=32, num_attention_heads=4,
+                                                           intermediate_size=64)))
+    top.self_attn.attention_dropout = 0.1  # dropout in effect: the block runs whole
+    assert not supports_last_position(top.train())
 
 
 def test_a_zo_step_on_the_cached_loss_is_the_step_on_the_full_loss():
@@ -81,7 +110,8 @@ def test_the_cached_loss_with_only_the_final_norm_trainable_matches_too():
 
 
 def test_a_federated_and_a_centralized_run_with_the_cache_end_where_they_do_without_it(tiny_workspace, tmp_path):
-    """The cached loss is the full loss, so a run with `zo.cache: prefix` ends bit-identical to one without; it is
+    """The cached loss is the full loss (on this tiny model to the bit, the top block's last-token shortcut
+    included), so a run with `zo.cache: prefix` ends bit-identical to one without; it is
     charged (1 - f) + 2 q f forward passes a step instead of 2 q (here f = 1/2: the top block of two)."""
     from safetensors.torch import load_file
     from toy_federation import tiny_federated_config

@@ -351,8 +351,8 @@ class PromptClassification(Task):
         return self.logits_from_hidden(model, hidden, batch)
 
     def split_logits(self, model: torch.nn.Module, prefixes: PrefixCache, batch: Batch) -> torch.Tensor:
-        hidden = prefixes.hidden(prefixes.capture(batch.input_ids, batch.attention_mask))
-        return self.logits_from_hidden(model, hidden, batch)
+        prefix = prefixes.capture(batch.input_ids, batch.attention_mask)
+        return self.head_logits(model, prefixes.last_hidden(prefix, batch.attention_mask))
 
     def cached_loss(self, model: torch.nn.Module, cache: PrefixCache, batch: Batch,
                     shift: torch.Tensor | None = None, *, body: BodyFeatures | None = None) -> Callable[[], float]:
@@ -363,8 +363,8 @@ class PromptClassification(Task):
         prefix = cache.capture(batch.input_ids, batch.attention_mask)
 
         @torch.no_grad()
-        def loss() -> float:
-            logits = self.logits_from_hidden(model, cache.hidden(prefix), batch)
+        def loss() -> float:  # the top block runs at each row's last position, all the label logits read
+            logits = self.head_logits(model, cache.last_hidden(prefix, batch.attention_mask))
             return float(F.cross_entropy(shifted(logits, shift), batch.labels))
 
         return loss

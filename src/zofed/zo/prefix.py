@@ -10,7 +10,9 @@ charged for (`forward_equivalents`), and the reason a step can afford several qu
 The split works on transformers' decoder-only models whose backbone holds its blocks in `layers` and its final
 norm in `norm` (Llama, Mistral, Qwen2, SmolLM2, ...): the capture pass records what the first trainable block
 is called with (hidden states, attention mask, rotary embeddings, positions) and stops; a perturbed pass calls
-the remaining blocks with exactly those arguments, so its output is the full forward's, bit for bit.
+the remaining blocks with exactly those arguments, so its output is the full forward's, bit for bit (`hidden`);
+`last_hidden`, what a classifier reads, runs the top block at each row's last position alone where it can, within
+rounding of the whole block (models/last_position.py).
 
 A simulation that meets the same examples round after round may hand the cache a memo of their rows
 (data/prefix_memo.py): the capture pass then assembles the batch from rows each computed from its example alone.
@@ -25,6 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
+from zofed.models.last_position import block_at_last_position, supports_last_position
 from zofed.models.selection import unwrap
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -165,6 +168,26 @@ class PrefixCache:
             raise RuntimeError(f"the forward pass never reached its {type(target).__name__}: cannot cache the "
                                f"prefix of block {self.start}")
         return Prefix(seen["args"], seen["kwargs"])
+
+    @torch.no_grad()
+    def last_hidden(self, prefix: Prefix, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The backbone's last hidden state (after its final norm) at each row's last real position (rows x width;
+        right-padded rows), running only blocks `start` and above, the top one at those positions alone where its
+        kind allows (`block_at_last_position`), else whole."""
+        last = attention_mask.sum(1) - 1
+        kwargs = dict(prefix.kwargs)
+        hidden, rest = (prefix.args[0], prefix.args[1:]) if prefix.args else (kwargs.pop("hidden_states"), ())
+        blocks = self.layers[self.start:]
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        if not blocks:
+            return self.backbone.norm(hidden[rows, last])
+        top = blocks[-1]
+        if rest or kwargs.get("position_embeddings") is None or not supports_last_position(top):
+            return self.hidden(prefix)[rows, last]
+        for layer in blocks[:-1]:
+            out = layer(hidden, **kwargs)
+            hidden = out[0] if isinstance(out, tuple) else out
+        return self.backbone.norm(block_at_last_position(top, hidden, last, kwargs["position_embeddings"]))
 
     @torch.no_grad()
     def hidden(self, prefix: Prefix) -> torch.Tensor:
