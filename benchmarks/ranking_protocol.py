@@ -72,9 +72,17 @@ class Row(_Strict):
     grid: str | None = None
     trainable: Literal["table", "recipe", "own"] = "table"
     set: list[str] = []
+    # another table whose row of this name this one shows: a row that trains its own set (`trainable: own`) runs
+    # the same in every table of the same budget, so it runs once, there (the rest of the spec comes from it)
+    from_table: str | None = None
 
     @model_validator(mode="after")
     def _complete(self) -> Row:
+        if self.from_table is not None:
+            if self.method or self.grid or self.set or self.kind != "federated":
+                raise ValueError(f"a row shown from table {self.from_table!r} takes its spec from there: give it "
+                                 "nothing but from_table")
+            return self
         if self.kind == "zero-shot":
             if self.method or self.grid or self.set:
                 raise ValueError("a zero-shot row trains nothing: it takes no method, grid or set")
@@ -125,6 +133,7 @@ class Protocol(_Strict):
         unknown = [d for d in self.datasets if d not in TASKS]
         if unknown:
             raise ValueError(f"datasets {unknown} have no template in benchmarks/calibrate.py TASKS ({list(TASKS)})")
+        self._borrow()
         for table_name, table in self.tables.items():
             for name, row in table.rows.items():
                 if row.grid is not None and row.grid not in self.grids:
@@ -140,6 +149,24 @@ class Protocol(_Strict):
             if table.calibrate and self.calibration is None:
                 raise ValueError(f"table {table_name} names calibrate rows but the protocol has no calibration")
         return self
+
+
+    def _borrow(self) -> None:
+        """Give each row shown from another table that table's spec, checking that it runs the same there."""
+        for table_name, table in self.tables.items():
+            for name, row in table.rows.items():
+                if row.from_table is None:
+                    continue
+                home = self.tables.get(row.from_table)
+                source = None if home is None else home.rows.get(name)
+                if source is None or source.from_table is not None or source.trainable != "own":
+                    raise ValueError(f"table {table_name}, row {name}: from_table {row.from_table!r} has no row "
+                                     f"{name!r} of its own that trains its own set (trainable: own)")
+                budgets = [t.budget or self.federation.budget for t in (table, home)]
+                if budgets[0] != budgets[1]:
+                    raise ValueError(f"table {table_name}, row {name}: its budget ({budgets[0]:g}) is not table "
+                                     f"{row.from_table}'s ({budgets[1]:g}); run the row in this table instead")
+                table.rows[name] = source.model_copy(update={"from_table": row.from_table})
 
 
 def load_protocol(path: Path = PROTOCOL) -> Protocol:
@@ -306,6 +333,8 @@ def is_current(p: Protocol, stored: dict) -> bool:
     table = p.tables.get(stored.get("table", ""))
     if table is None or stored.get("row") not in table.rows or stored.get("dataset") not in p.datasets:
         return False
+    if table.rows[stored["row"]].from_table is not None:  # the row runs in the table it is shown from
+        return False
     if stored.get("alpha") not in p.federation.alphas or stored.get("phase") not in PHASES:
         return False
     if stored["phase"] == "calibrate" and stored["row"] not in table.calibrate:
@@ -319,10 +348,13 @@ def is_current(p: Protocol, stored: dict) -> bool:
 
 
 def current_rows(p: Protocol, table: dict) -> tuple[list[dict], int]:
-    """The stored rows of the current protocol, and how many others the table holds."""
+    """The stored rows of the current protocol, with a copy under each table that shows a row from another
+    (`from_table`), and how many stored rows belong to another protocol."""
     rows = list(table["rows"].values())
     kept = [r for r in rows if is_current(p, r)]
-    return kept, len(rows) - len(kept)
+    shown = [{**r, "table": name, "from_table": r["table"]} for r in kept for name, t in p.tables.items()
+             if r["row"] in t.rows and t.rows[r["row"]].from_table == r["table"]]
+    return kept + shown, len(rows) - len(kept)
 
 
 def choices(rows: list[dict]) -> dict[str, dict]:
@@ -355,6 +387,10 @@ def pending_runs(p: Protocol, table: str, phase: str, rows: list[str], datasets:
             for alpha in p.federation.alphas if phase == "final" else p.federation.alphas[:1]:
                 for row in rows:
                     spec = p.tables[table].rows[row]
+                    if spec.from_table is not None:
+                        if seed == seeds[0] and dataset == datasets[0]:
+                            notes.append(f"{row} runs in table {spec.from_table}, which this table shows")
+                        continue
                     if spec.kind == "zero-shot":
                         points = [0.0] if phase == "final" and seed == seeds[0] else []
                     elif phase in ("tune", "calibrate"):

@@ -326,7 +326,9 @@ def write_report(table: dict) -> None:
         mine = [r for r in rows if r["table"] == name and r["phase"] != "calibrate"]
         budget = [f"Its own budget: {t.budget:,.0f} passes (calibrated below)."] if t.budget else []
         lines += ["", f"## Table {name}: {t.title}", "", *settings_lines(p, name, mine), *budget, "",
-                  "Rows: " + ", ".join(f"{n} ({kind_of(p, name, n)})" for n in t.rows) + ".",
+                  "Rows: " + ", ".join(f"{n} ({kind_of(p, name, n)}" + (f", the runs of table {r.from_table}"
+                                                                          if r.from_table else "") + ")"
+                                       for n, r in t.rows.items()) + ".",
                   *calibration_lines(p, name, calibration)]
         if not mine:
             lines += ["", "Not run yet."]

@@ -230,11 +230,38 @@ def test_a_calibration_run_stops_at_the_first_multiple_where_it_or_a_run_of_its_
 def test_a_calibration_row_stays_current_when_its_table_takes_the_budget_it_chose():
     data = yaml.safe_load(protocol.PROTOCOL.read_text())
     data["tables"]["top4"]["budget"] = 3 * P.federation.budget
+    data["tables"]["top4"]["rows"]["fedavg-lora"] = data["tables"]["head"]["rows"]["fedavg-lora"]  # its own budget
     calibrated = protocol.Protocol.model_validate(data)
     run = _calibration_run("hiso", P.calibration.grid[0], "agnews", [0.1] * P.calibration.max_multiple)
     run["seed"] = P.calibration.seeds[0]
     assert protocol.is_current(P, run) and protocol.is_current(calibrated, run)
     assert protocol.row_digest(calibrated, "top4", "hiso") != protocol.row_digest(P, "top4", "hiso")  # tune rows move
+
+
+def test_a_row_of_its_own_set_runs_once_and_shows_in_every_table_of_the_same_budget():
+    for table in ("top4", "top4-lora"):
+        shown = P.tables[table].rows["fedavg-lora"]
+        assert shown.from_table == "head" and shown.method == "fedavg" and shown.trainable == "own"
+        runs, notes = protocol.pending_runs(P, table, "tune", ["fedavg-lora", "hiso"], ["sst2"], set(), {})
+        assert {r[2] for r in runs} == {"hiso"} and notes == ["fedavg-lora runs in table head, which this table shows"]
+    run = {"phase": "final", "table": "head", "row": "fedavg-lora", "dataset": "sst2", "alpha": 0.1,
+           "seed": P.seeds.final[0], "lr": P.grids["adamw"][0], "final_accuracy": 0.9, "curve": [],
+           "protocol": protocol.row_digest(P, "head", "fedavg-lora")}
+    rows, old = protocol.current_rows(P, {"rows": {"a": run, "b": {**run, "table": "top4"}}})
+    assert old == 1  # a run stored under a table that shows the row from another is not current
+    assert sorted(r["table"] for r in rows) == ["head", "top4", "top4-lora"]
+    assert all(r["from_table"] == "head" for r in rows if r["table"] != "head")
+    data = yaml.safe_load(protocol.PROTOCOL.read_text())
+    data["tables"]["top4"]["budget"] = 2 * P.federation.budget
+    with pytest.raises(ValueError, match="run the row in this table instead"):
+        protocol.Protocol.model_validate(data)
+    data = yaml.safe_load(protocol.PROTOCOL.read_text())
+    data["tables"]["top4"]["rows"]["zofed"] = {"from_table": "head"}  # zofed trains the table's set
+    with pytest.raises(ValueError, match="trains its own set"):
+        protocol.Protocol.model_validate(data)
+    data["tables"]["top4"]["rows"]["zofed"] = {"from_table": "head", "method": "zofed"}
+    with pytest.raises(ValueError, match="nothing but from_table"):
+        protocol.Protocol.model_validate(data)
 
 
 def test_pending_runs_go_by_seed_then_dataset_then_row_then_lr():
