@@ -71,6 +71,28 @@ def test_the_top_llama_block_at_the_last_tokens_alone_gives_the_whole_blocks_row
     assert not supports_last_position(top.train())
 
 
+def test_a_pass_reuses_the_outputs_of_blocks_whose_trainable_tensors_kept_their_bits():
+    """With the trainable tensors named, the cached loss runs only the blocks from the lowest one a perturbation
+    touched (none when only the final norm moved), and gives the loss a fresh cache gives, bit for bit."""
+    patterns = [r"layers\.[23]\..*norm\.weight$", r"^model\.norm\.weight$"]
+    model, trainable, task, batch = _setup(patterns=patterns)
+    watched = list(zip(trainable.names, trainable.params, strict=True))
+    reusing = task.cached_loss(model, PrefixCache(model, 2, trainable=watched), batch)
+    calls = []
+    model.model.layers[2].register_forward_pre_hook(lambda *args: calls.append(2))
+    by_name = dict(zip(trainable.names, trainable.tensors(), strict=True))
+    lowest = [n for n in trainable.names if "layers.2." in n][0]
+    reusing()  # the first pass runs every block
+    for name, ran in [("model.norm.weight", 0), (lowest, 1), ("model.norm.weight", 0), (lowest, 1), (None, 0)]:
+        calls.clear()
+        if name is not None:
+            by_name[name].add_(0.05 * torch.randn(by_name[name].shape, generator=torch.Generator().manual_seed(len(
+                name))))
+        value = reusing()
+        assert len(calls) == ran
+        assert value == task.cached_loss(model, PrefixCache(model, 2), batch)()
+
+
 def test_a_zo_step_on_the_cached_loss_is_the_step_on_the_full_loss():
     runs = []
     for use_cache in (False, True):

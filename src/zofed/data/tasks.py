@@ -361,10 +361,11 @@ class PromptClassification(Task):
         if body is not None:
             return self.feature_loss_fn(model, cache, self._batch_rows(body, batch), batch.labels, shift)
         prefix = cache.capture(batch.input_ids, batch.attention_mask)
+        kept: dict = {}  # block outputs a pass reuses while the blocks' trainable tensors keep their bits
 
         @torch.no_grad()
         def loss() -> float:  # the top block runs at each row's last position, all the label logits read
-            logits = self.head_logits(model, cache.last_hidden(prefix, batch.attention_mask))
+            logits = self.head_logits(model, cache.last_hidden(prefix, batch.attention_mask, kept))
             return float(F.cross_entropy(shifted(logits, shift), batch.labels))
 
         return loss

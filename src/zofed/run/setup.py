@@ -190,7 +190,8 @@ def prefix_cache(config: FinetuneConfig, model: torch.nn.Module, trainable: Trai
             return None
         raise ConfigError(f"zo.cache: {config.zo.cache} needs a decoder-only model (blocks in `layers`, a final "
                           "`norm`) whose trainable tensors all lie in its blocks or above them, none in the embeddings")
-    cache = PrefixCache(model, start, output_layer=task.full_vocabulary)
+    cache = PrefixCache(model, start, output_layer=task.full_vocabulary,
+                        trainable=list(zip(trainable.names, trainable.params, strict=True)))
     return None if auto and cache.fraction >= 1.0 else cache
 
 

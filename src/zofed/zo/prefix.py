@@ -90,9 +90,17 @@ class PrefixCache:
     that layer."""
 
     def __init__(self, model: torch.nn.Module, start: int, output_layer: bool = False,
-                 memo: Memo | None = None) -> None:
+                 memo: Memo | None = None, trainable: Sequence[tuple[str, torch.Tensor]] | None = None) -> None:
         self.backbone = _backbone(model)
         self.memo = memo  # remembered rows the capture pass reads instead of running the bottom (None: it runs)
+        # the trainable tensors (name, tensor) of each block: a pass may reuse a block's output while they and the
+        # blocks' below it hold the bits they had (`last_hidden` with `kept`); None (not told what trains): every
+        # pass runs every block
+        self.watched: dict[int, list[torch.Tensor]] | None = None if trainable is None else {}
+        for name, tensor in trainable or ():
+            match = _LAYER.search(name)
+            if match:
+                self.watched.setdefault(int(match.group(1)), []).append(tensor)
         self.layers = self.backbone.layers
         if not 0 <= start <= len(self.layers):
             raise ValueError(f"the model has {len(self.layers)} blocks; cannot start a cached pass at block {start}")
@@ -170,24 +178,42 @@ class PrefixCache:
         return Prefix(seen["args"], seen["kwargs"])
 
     @torch.no_grad()
-    def last_hidden(self, prefix: Prefix, attention_mask: torch.Tensor) -> torch.Tensor:
+    def last_hidden(self, prefix: Prefix, attention_mask: torch.Tensor, kept: dict | None = None) -> torch.Tensor:
         """The backbone's last hidden state (after its final norm) at each row's last real position (rows x width;
         right-padded rows), running only blocks `start` and above, the top one at those positions alone where its
-        kind allows (`block_at_last_position`), else whole."""
+        kind allows (`block_at_last_position`), else whole. `kept` (an empty dict the first time, then the same one
+        for the same prefix) keeps each block's output with the bits of its watched tensors: a later pass runs
+        only the blocks from the lowest one whose tensors changed (none, when a step perturbed only what lies
+        above the blocks: the final norm or the label head)."""
         last = attention_mask.sum(1) - 1
         kwargs = dict(prefix.kwargs)
         hidden, rest = (prefix.args[0], prefix.args[1:]) if prefix.args else (kwargs.pop("hidden_states"), ())
-        blocks = self.layers[self.start:]
+        blocks = list(self.layers[self.start:])
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         if not blocks:
             return self.backbone.norm(hidden[rows, last])
-        top = blocks[-1]
-        if rest or kwargs.get("position_embeddings") is None or not supports_last_position(top):
-            return self.hidden(prefix)[rows, last]
-        for layer in blocks[:-1]:
-            out = layer(hidden, **kwargs)
-            hidden = out[0] if isinstance(out, tuple) else out
-        return self.backbone.norm(block_at_last_position(top, hidden, last, kwargs["position_embeddings"]))
+        alone = not rest and kwargs.get("position_embeddings") is not None and supports_last_position(blocks[-1])
+        if self.watched is None:
+            kept = None
+        outs, bits = (kept.setdefault("outs", []), kept.setdefault("bits", [])) if kept is not None else ([], [])
+        watched = self.watched or {}
+        first = 0
+        while first < len(outs) and all(torch.equal(a, b) for a, b in zip(
+                bits[first], watched.get(self.start + first, []), strict=True)):
+            first += 1
+        del outs[first:], bits[first:]
+        if first:
+            hidden = outs[first - 1]
+        for j in range(first, len(blocks)):
+            if j == len(blocks) - 1 and alone:
+                hidden = block_at_last_position(blocks[j], hidden, last, kwargs["position_embeddings"])
+            else:
+                out = blocks[j](hidden, *rest, **kwargs)
+                hidden = out[0] if isinstance(out, tuple) else out
+            if kept is not None:
+                outs.append(hidden)
+                bits.append([t.clone() for t in watched.get(self.start + j, [])])
+        return self.backbone.norm(hidden if alone else hidden[rows, last])
 
     @torch.no_grad()
     def hidden(self, prefix: Prefix) -> torch.Tensor:
