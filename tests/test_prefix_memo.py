@@ -156,18 +156,25 @@ def _deep_workspace(root):
     return root
 
 
+def _memo_recorder():
+    """A stand-in for the simulator's `simulation_prefixes` that keeps every memo it makes, and that list."""
+    import zofed.sim.engine as engine
+
+    made, original = [], engine.simulation_prefixes
+
+    def recording(*args):
+        made.append(original(*args))
+        return made[-1]
+
+    return made, recording
+
+
 def test_a_federated_run_remembers_prefixes_is_charged_the_same_and_ends_within_rounding(tmp_path, monkeypatch):
     import zofed.sim.engine as engine
     from zofed.run.federated import run_federated
 
     ws = _deep_workspace(tmp_path / "ws")
-    memos = []
-
-    def recording(*args):
-        memos.append(simulation_prefixes(*args))
-        return memos[-1]
-
-    simulation_prefixes = engine.simulation_prefixes
+    memos, recording = _memo_recorder()
     options = ["trainable.mode=lora", "trainable.lora_r=2", "trainable.lora_layers=[7]", "zo.cache=prefix",
                "federation.rounds=4", "federation.local_steps=3", "federation.partition.num_clients=3",
                "federation.clients_per_round=3", "zo.queries=2"]
@@ -216,13 +223,7 @@ def test_a_store_keeps_the_rows_across_runs_and_a_run_reading_it_ends_bit_identi
     from zofed.run.federated import run_federated
 
     ws = _deep_workspace(tmp_path / "ws")
-    memos = []
-
-    def recording(*args):
-        memos.append(simulation_prefixes(*args))
-        return memos[-1]
-
-    simulation_prefixes = engine.simulation_prefixes
+    memos, recording = _memo_recorder()
     monkeypatch.setattr(engine, "simulation_prefixes", recording)
     options = ["trainable.mode=lora", "trainable.lora_r=2", "trainable.lora_layers=[6, 7]", "zo.cache=prefix",
                "federation.rounds=2", "federation.local_steps=2", "federation.method=zo-seeds"]
