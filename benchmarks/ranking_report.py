@@ -273,9 +273,11 @@ def benchmarks_section(table: dict) -> str:
     rows, _ = current_rows(p, table)
     finals = current_finals(rows)
     alpha = p.federation.alphas[0]
+    neither = [line for line in settings_lines(p, name, rows) if line.startswith("Neither")]
     lines = [f"Ranking ([docs/results/ranking.md](docs/results/ranking.md)), table {name}, "
-             f"{table_budget(p, name):,.0f} passes of client compute, alpha {alpha}; test accuracy mean ± std (seeds):",
-             ""]
+             f"{table_budget(p, name):,.0f} passes of client compute, alpha {alpha}; test accuracy mean ± std (seeds)."
+             + (" Neither of zofed's two components is active on it: its row is "
+                + neither[0].split("zofed's row is ")[1] if neither else ""), ""]
     for dataset in p.datasets:
         by_row: dict[str, list[dict]] = {}
         for r in finals:
@@ -287,17 +289,31 @@ def benchmarks_section(table: dict) -> str:
                          if tuned else f"- {dataset}: not run yet")
             continue
         parts = [f"zofed {_mean_std(by_row['zofed'])} ({len(by_row['zofed'])})"]
+        compared = []
         zo = {n: rs for n, rs in by_row.items() if kind_of(p, name, n) == "zo"}
         if zo:
             best = max(zo, key=lambda n: np.mean([r["final_accuracy"] for r in zo[n]]))
             parts.append(f"best ZO baseline {best} {_mean_std(zo[best])} ({len(zo[best])})")
+            compared.append(best)
         for other in [n for n in p.tables[name].rows if kind_of(p, name, n) == "first-order"][:1]:
             if other in by_row:
                 parts.append(f"{other} {_mean_std(by_row[other])} ({len(by_row[other])})")
+                compared.append(other)
         if "zero-shot" in by_row:
             parts.append(f"zero-shot {by_row['zero-shot'][0]['final_accuracy']:.4f}")
-        lines.append(f"- {dataset}: " + "; ".join(parts))
+        verdicts = [verdict(other, *paired(by_row["zofed"], by_row[other])) for other in compared]
+        lines.append(f"- {dataset}: " + "; ".join(parts) + (". zofed " + "; ".join(verdicts) if verdicts else ""))
     return "\n".join(lines)
+
+
+def verdict(other: str, seeds: list[int], diff: np.ndarray) -> str:
+    """zofed against `other` from their paired differences (points): ahead or behind where the mean lies two
+    standard errors or more from zero, else level; no verdict on fewer than two seeds."""
+    if len(seeds) < 2:
+        return f"against {other}: {len(seeds)} paired seed, no verdict yet"
+    mean, se = float(diff.mean()), float(diff.std(ddof=1) / np.sqrt(len(diff)))
+    word = "ahead of" if mean >= 2 * se else "behind" if mean <= -2 * se else "level with"
+    return f"{word} {other} ({mean:+.2f} points, standard error {se:.2f}, {len(seeds)} seeds)"
 
 
 def update_readme(section: str, path: Path | None = None) -> bool:

@@ -349,7 +349,11 @@ def test_the_readme_section_follows_the_rows_and_is_written_between_the_markers(
     section = report.benchmarks_section({"rows": dict(enumerate(rows))})
     lines = section.splitlines()
     assert len(lines) <= 10
-    assert "- agnews: zofed 0.8050 ± 0.0071 (2); best ZO baseline hiso 0.7800 ± 0.0000 (2); zero-shot 0.6000" in lines
+    assert ("- agnews: zofed 0.8050 ± 0.0071 (2); best ZO baseline hiso 0.7800 ± 0.0000 (2); zero-shot 0.6000. "
+            "zofed ahead of hiso (+2.50 points, standard error 0.50, 2 seeds)") in lines
+    assert report.verdict("x", [0, 1, 2], np.array([1.0, -1.0, 0.5])).startswith("level with x (+0.17 points")
+    assert report.verdict("x", [0, 1], np.array([-3.0, -3.2])).startswith("behind x")
+    assert report.verdict("x", [0], np.array([5.0])) == "against x: 1 paired seed, no verdict yet"
     assert "- sst2: not run yet" in lines
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n{report.BEGIN}\nold\n{report.END}\ntail\n")
