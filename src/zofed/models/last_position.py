@@ -3,8 +3,8 @@
 A prompt classifier reads the label logits off each row's last real token. Below the top block every position
 matters (the blocks above attend to them), but the top block's output is read at that one position: its keys and
 values need every position, while its query, attention output, residual and MLP are needed at the last one. On
-SmolLM2 the MLP and the query and output projections are 93% of a block's weights, so a perturbed pass over the
-top 4 blocks runs about a quarter fewer multiply-adds, and a pass over the top block alone about 15 times fewer.
+SmolLM2 the MLP and the query and output projections are 94% of a block's weights: its top block ran 11 times
+faster this way (docs/engine.md), a pass over the top 4 blocks about a quarter faster.
 
 The result is the full block's at that position within float rounding (the products run over other shapes), not
 bit for bit. Only transformers' Llama block (SmolLM2 and the other Llama-architecture models) is computed this
