@@ -152,3 +152,16 @@ def test_a_per_class_head_is_one_block_a_class_with_the_same_logits(tiny_workspa
     last = test.attention_mask.sum(1) - 1
     words = logits[torch.arange(len(last)), last][:, setup.task.label_token_ids]
     assert torch.allclose(words, setup.task.logits(setup.model, test), atol=1e-5)
+
+
+def test_top_norms_add_the_top_blocks_norm_gains_and_the_final_norm_and_the_split_sits_below_them():
+    tiny = tiny_causal_lm(num_layers=4)
+    model, trainable = select_trainable(tiny.model, TrainableConfig(mode="none", label_head=True, top_norms=1),
+                                        [5, 6])
+    assert trainable.names == ["model.layers.3.input_layernorm.weight",
+                               "model.layers.3.post_attention_layernorm.weight", "model.norm.weight", LABEL_HEAD]
+    assert first_trainable_layer(model, trainable.names) == 3
+    _, two = select_trainable(tiny_causal_lm(num_layers=4).model, TrainableConfig(mode="none", top_norms=2))
+    assert [n.split(".")[2] for n in two.names[:4]] == ["2", "2", "3", "3"] and two.names[4] == "model.norm.weight"
+    with pytest.raises(ModelLoadError, match="top_norms 5: this model has 4 blocks"):
+        select_trainable(tiny_causal_lm(num_layers=4).model, TrainableConfig(mode="none", top_norms=5))

@@ -78,6 +78,8 @@ class TrainableConfig(BaseModel):
     # one tensor per class's row instead of one for the head: zofed's block sampling then chooses among the classes,
     # where the one-tensor head is a single block (off by default: docs/method.md, variants tried)
     label_head_per_class: bool = False
+    # also train the norm gains of the top k blocks and the final norm (a decoder whose blocks sit in `layers`)
+    top_norms: int = Field(0, ge=0)
     lora_r: int = Field(8, ge=1)
     lora_alpha: int = Field(16, ge=1)
     lora_targets: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"])
@@ -164,6 +166,21 @@ def _lora_blocks(model: torch.nn.Module, layers: list[int] | None) -> list[int] 
     return sorted({i % count for i in layers})
 
 
+def _top_norms(model: torch.nn.Module, blocks: int) -> list[tuple[str, torch.nn.Parameter]]:
+    """The norm gains of the top `blocks` blocks and the final norm (trainable.top_norms)."""
+    count = getattr(model.config, "num_hidden_layers", None)
+    if count is None or not 0 < blocks <= count:
+        raise ModelLoadError(f"trainable.top_norms {blocks}: this model has "
+                             f"{'no num_hidden_layers in its config' if count is None else f'{count} blocks'}")
+    top = "|".join(str(i) for i in range(count - blocks, count))
+    found = _matching(model, [rf"(^|\.)layers\.({top})\..*norm\.weight$", r"(^|\.)norm\.weight$"],
+                      "trainable.top_norms")
+    found = [(n, p) for n, p in found if ".layers." not in f".{n}" or re.search(rf"\.layers\.({top})\.", f".{n}")]
+    if not any(".layers." not in f".{n}" for n, _ in found):
+        raise ModelLoadError("trainable.top_norms: this model has no final norm named `norm` after its blocks")
+    return found
+
+
 def select_trainable(model: torch.nn.Module, config: TrainableConfig,
                      label_token_ids: Sequence[int] | torch.Tensor | None = None) -> tuple[torch.nn.Module,
                                                                                           TrainableParams]:
@@ -202,6 +219,9 @@ def select_trainable(model: torch.nn.Module, config: TrainableConfig,
         raise ValueError(f"unknown trainable mode {config.mode!r}; choose all, lora, patterns, magnitude or none")
     names = {n for n, _ in selected}
     selected += [(n, p) for n, p in _matching(model, config.also_train, "trainable.also_train") if n not in names]
+    if config.top_norms:
+        names = {n for n, _ in selected}
+        selected += [(n, p) for n, p in _top_norms(model, config.top_norms) if n not in names]
     if config.label_head:
         heads = [(n, p) for n, p in model.named_parameters() if label_head_owner(n) is not None]
         selected += [(n, p) for n, p in heads if n not in {m for m, _ in selected}]
