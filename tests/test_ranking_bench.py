@@ -50,8 +50,9 @@ def test_zofed_row_is_zofed_run_with_nothing_but_the_shape_and_the_runner_keys(t
     for table in P.tables:
         row = flatten(_run_config(table, "zofed", tmp_path).model_dump())
         trainable = P.tables[table].trainable if P.tables[table].rows["zofed"].trainable == "table" else []
+        named = ["federation.recipe=head"] if table == "head" else []  # the head table: the recipe by its name
         plain = load_config(None, [*protocol.shape_overrides(P), *TASKS["agnews"], "data.source=shared:agnews",
-                                   *trainable], schema=FederatedConfig)
+                                   *trainable, *named], schema=FederatedConfig)
         differ = {k for k, v in flatten(plain.model_dump()).items() if row[k] != v}
         assert differ <= RUNNER_KEYS, (table, differ - RUNNER_KEYS)
         assert "optimizer.lr" in differ and "federation.rounds" in differ  # the runner does set them

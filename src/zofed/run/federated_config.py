@@ -84,9 +84,10 @@ class SamplingSection(_Section):
 
 class FederationSection(_Section):
     method: str = "zofed"  # a registered method (fl/methods/): zofed, zo-seeds, decomfl, fedkseed, fedmezo, ...
-    # zofed's recommended settings filled in where the config leaves them unset (run/recipes.py): auto picks head
-    # (the label head on cached features) for zofed on prompt classification with a decoder when nothing says
-    # what trains; a validated config holds what auto resolved to
+    # zofed's recommended settings filled in where the config leaves them unset (run/recipes.py): auto picks weights
+    # (the label head and the top block's norm gains on a round's cached prefixes) for zofed on prompt
+    # classification with a decoder when nothing says what trains; head is the label head alone on cached
+    # features; a validated config holds what auto resolved to
     recipe: Recipe = "auto"
     rounds: int = Field(20, ge=1)
     clients_per_round: int = Field(5, ge=1)

@@ -1,19 +1,26 @@
 """zofed's recommended settings for a federated run, filled in where a config leaves them unset.
 
 The schema's own defaults (run/config.py, run/federated_config.py) serve every task, model and method alike: LoRA,
-one query a step, no cached features. On prompt classification with a decoder the cheapest thing to train is the
-label head on cached features: a client runs the model once a round and takes all its steps on the cached rows.
-There neither of zofed's two components is active (one block, plain averaging: docs/method.md), so the run is
-zo-seeds with one-sided queries; docs/results/ranking.md ranks it against the baselines and first-order FedAvg on
-the same head. `federation.recipe: auto` (the default) fills that recipe in when the config says nothing of what
-trains (no `trainable.mode`, no `trainable.label_head`): a run with no config at all, or one that names only its
-model, data and federation, gets it. Whatever the config does set wins over the recipe, key by key
-(`trainable.label_head_per_class: true` alone keeps the recipe and splits its head); a config that chooses what
-trains, another method or another task keeps the schema's defaults. `recipe: none` never fills it in, and `recipe:
-head` fills it whatever the config trains.
+one query a step, no cached features. On prompt classification with a decoder `zofed run` fills in the **weights
+recipe**: the label head together with the model's own weights at the top (the norm gains of the top block and the
+final norm, `trainable.top_norms`), trained on a round's cached prefixes. A client runs 8 of its examples through
+the frozen bottom once a round and takes all its steps on them, each perturbed pass running only the top block (at
+each example's last token) and the head; zofed's block sampling draws among the four tensors, and a step that
+perturbs the head or the final norm runs no block at all. The server keeps plain averaging (the head's, measured
+best there), so of zofed's two components only block sampling is active. The **head recipe** (`recipe: head`) is
+the label head alone on cached features, a linear probe on the frozen body: there neither component is active
+(one block, plain averaging: docs/method.md), so the run is zo-seeds with one-sided queries; docs/results/ranking.md
+ranks it against the baselines and first-order FedAvg on the same head.
 
-A validated config records the recipe it resolved to (head or none) and holds every key explicitly, so a stored run
-config loads again to the same run.
+`federation.recipe: auto` (the default) fills in the weights recipe when the config says nothing of what trains
+(no `trainable.mode`, `trainable.label_head` or `trainable.top_norms`): a run with no config at all, or one that
+names only its model, data and federation, gets it. Whatever the config does set wins over the recipe, key by key
+(`trainable.label_head_per_class: true` alone keeps the recipe and splits its head); a config that chooses what
+trains, another method or another task keeps the schema's defaults. `recipe: none` never fills one in, and `recipe:
+weights` or `recipe: head` fills that one in whatever the config trains.
+
+A validated config records the recipe it resolved to and holds every key explicitly, so a stored run config loads
+again to the same run.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from pydantic import BaseModel
 from zofed.models.catalog import CAUSAL_LM, named_kind
 from zofed.run.config import deep_merge
 
-Recipe = Literal["auto", "head", "none"]
+Recipe = Literal["auto", "weights", "head", "none"]
 
 # The label head on cached features, with plain averaging and tail averaging on the server (docs/method.md). A
 # client runs 8 of its examples through the frozen model once a round, then takes 48 steps of 8 one-sided queries
@@ -39,7 +46,10 @@ HEAD: dict[str, Any] = {
     "federation": {"rounds": 90, "local_steps": 48, "scalar_bits": 16, "cached_examples": 8,
                    "logit_adjust": 1.0, "average_from": 0.5, "server_optimizer": {"name": "sgd", "lr": 1.0}},
 }
-RECIPES: dict[str, dict[str, Any]] = {"head": HEAD, "none": {}}
+# The head recipe's engine on the model's own weights: the label head, the top block's two norm gains and the final
+# norm (3,456 values with SmolLM2 on three classes), on a round's cached prefixes at the top block.
+WEIGHTS: dict[str, Any] = deep_merge(HEAD, {"trainable": {"top_norms": 1}, "zo": {"cache": "prefix"}})
+RECIPES: dict[str, dict[str, Any]] = {"weights": WEIGHTS, "head": HEAD, "none": {}}
 
 
 def _get(tree: dict[str, Any], *keys: str, default: Any = None) -> Any:
@@ -58,17 +68,18 @@ def _get(tree: dict[str, Any], *keys: str, default: Any = None) -> Any:
 
 
 def auto_recipe(tree: dict[str, Any]) -> str:
-    """The recipe `auto` resolves to for this (unvalidated) config tree: head for zofed on prompt classification
+    """The recipe `auto` resolves to for this (unvalidated) config tree: weights for zofed on prompt classification
     with a decoder (what the model is, not its name: a built-in, a GGUF file, a directory or `model.kind:
-    causal-lm`; `named_kind`), and neither `trainable.mode` nor `trainable.label_head` set; else none."""
+    causal-lm`; `named_kind`), and none of `trainable.mode`, `trainable.label_head`, `trainable.top_norms` set;
+    else none."""
     name, kind = _get(tree, "model", "name", default="smollm2-135m"), _get(tree, "model", "kind")
     decoder = named_kind(str(name), kind) == CAUSAL_LM
-    chosen = _get(tree, "trainable", "mode") is not None or _get(tree, "trainable", "label_head") is not None
+    chosen = any(_get(tree, "trainable", key) is not None for key in ("mode", "label_head", "top_norms"))
     if (decoder and not chosen
             and _get(tree, "task", "type", default="prompt-classification") == "prompt-classification"
             and _get(tree, "federation", "method", default="zofed") == "zofed"
             and _get(tree, "optimizer", "name", default="mezo") == "mezo"):
-        return "head"
+        return "weights"
     return "none"
 
 
