@@ -36,8 +36,10 @@ def test_cached_examples_default_to_one_batch_and_only_go_with_cached_features()
     one_batch = load_config(None, ["trainable.mode=none", "trainable.label_head=true", "zo.cache=features",
                                    "train.batch_size=6"], schema=FederatedConfig)
     assert one_batch.feature_cache() == 6
-    recipe = load_config(None, [], schema=FederatedConfig)  # the head recipe
+    recipe = load_config(None, ["federation.recipe=head"], schema=FederatedConfig)
     assert (recipe.zo.cache, recipe.federation.cached_examples, recipe.feature_cache()) == ("features", 8, 8)
+    weights = load_config(None, [], schema=FederatedConfig)  # the default: the round's prefixes below the top block
+    assert (weights.zo.cache, weights.federation.cached_examples, weights.feature_cache()) == ("prefix", 8, 8)
     assert load_config(None, ["zo.cache=prefix", "trainable.mode=none", "trainable.label_head=true"],
                        schema=FederatedConfig).feature_cache() == 0
     round_prefixes = load_config(None, ["zo.cache=prefix", "federation.cached_examples=4"], schema=FederatedConfig)
