@@ -16,6 +16,12 @@ import numpy as np
 from ranking_protocol import Protocol, curve_every, grid, multiple_rounds  # benchmarks/ is the script's directory
 
 
+def passes(gain: float, target: float) -> bool:
+    """Whether a gain reaches the target: accuracies are k/n fractions a few ulps off in float (0.69 - 0.66 is
+    0.02999...), so the comparison allows 1e-9."""
+    return gain >= target - 1e-9
+
+
 def accuracy_within(curve: list[list[float]], budget: float) -> float:
     """The accuracy of a curve's last point whose forward passes fit in `budget` (its start when none does)."""
     fitting = [point for point in curve if point[0] <= budget * (1 + 1e-9)]
@@ -49,7 +55,7 @@ def passing_multiple(p: Protocol, table: str, dataset: str, rows: list[dict]) ->
     target (None: none yet)."""
     assert p.calibration is not None
     for multiple, point in enumerate(budget_gains(p, table, dataset, rows), 1):
-        if point["best"] is not None and point["best"]["gain"] >= p.calibration.gain:
+        if point["best"] is not None and passes(point["best"]["gain"], p.calibration.gain):
             return multiple
     return None
 
@@ -75,7 +81,7 @@ class CalibrationStop:
         if not closes:
             return False
         return (self.cap is not None and max(closes) >= self.cap) or \
-            record["eval_accuracy"] - self.start() >= self.gain
+            passes(record["eval_accuracy"] - self.start(), self.gain)
 
 
 def calibration_stop(p: Protocol, table: str, row: str, dataset: str, rows: list[dict],
@@ -96,7 +102,7 @@ def _smallest_passing(p: Protocol, per_dataset: list[list[dict]]) -> float | Non
     if not all(points[0]["complete"] for points in per_dataset):
         return None
     for i, budget in enumerate(points["budget"] for points in per_dataset[0]):
-        if all(points[i]["best"]["gain"] >= p.calibration.gain for points in per_dataset):
+        if all(passes(points[i]["best"]["gain"], p.calibration.gain) for points in per_dataset):
             return budget
     return None
 

@@ -213,6 +213,8 @@ def test_a_calibration_run_stops_at_the_first_multiple_where_it_or_a_run_of_its_
     point = {"round": closing[1], "eval_accuracy": 0.6 + gain}
     assert fresh(point) and not fresh({**point, "eval_accuracy": 0.6 + gain - 0.01})
     assert not fresh({"round": closing[1]})  # a round without a curve point
+    exact = calibration.calibration_stop(P, "top4", "hiso", "agnews", [], lambda: 0.66)
+    assert exact({"round": closing[1], "eval_accuracy": 0.69})  # 207/300 - 198/300 is the target, whatever the ulps
     assert not fresh({"round": closing[1] - every, "eval_accuracy": 0.9})  # a point inside a multiple
     # a stored run of the dataset passed at the second multiple: later runs stop there whatever they gained
     stored = [_calibration_run("decomfl", P.calibration.grid[0], "agnews", [0.0, gain, gain, gain])]
