@@ -7,10 +7,10 @@ final norm, `trainable.top_norms`), trained on a round's cached prefixes. A clie
 the frozen bottom once a round and takes all its steps on them, each perturbed pass running only the top block (at
 each example's last token) and the head; zofed's block sampling draws among the four tensors, and a step that
 perturbs the head or the final norm runs no block at all. The server keeps the head recipe's plain averaging (the
-adaptive server is not yet benchmarked on this set), so of zofed's two components only block sampling is active. The **head recipe** (`recipe: head`) is
-the label head alone on cached features, a linear probe on the frozen body: there neither component is active
-(one block, plain averaging: docs/method.md), so the run is zo-seeds with one-sided queries; docs/results/ranking.md
-ranks it against the baselines and first-order FedAvg on the same head.
+adaptive server is not yet benchmarked on this set), so of zofed's two components only block sampling is active.
+The **head recipe** (`recipe: head`) is the label head alone on cached features, a linear probe on the frozen body:
+there neither component is active (one block, plain averaging: docs/method.md), so the run is zo-seeds with
+one-sided queries; docs/results/ranking.md ranks it against the baselines and first-order FedAvg on the same head.
 
 `federation.recipe: auto` (the default) fills in the weights recipe when the config says nothing of what trains
 (no `trainable.mode`, `trainable.label_head` or `trainable.top_norms`): a run with no config at all, or one that
