@@ -141,6 +141,7 @@ class PrefixMemo:
         self.store = store
         self._stored: RowStore | None = None  # the store's rows of this prefix (bound with the fingerprint)
         self._unsaved: dict[bytes, torch.Tensor] = {}  # rows computed since the store was last written
+        self._unsaved_bytes = 0
         self._cache: PrefixCache | None = None
         self._tensors: list[tuple[str, torch.Tensor]] = []
         self._versions: list[tuple[int, int]] = []
@@ -176,7 +177,8 @@ class PrefixMemo:
                 self.computed += 1
                 if self._stored is not None:
                     self._unsaved[key] = row
-                    if sum(r.numel() * r.element_size() for r in self._unsaved.values()) >= SAVE_EVERY_BYTES:
+                    self._unsaved_bytes += row.numel() * row.element_size()
+                    if self._unsaved_bytes >= SAVE_EVERY_BYTES:
                         self.save()
             self.rows[key] = row
             self.bytes += row.numel() * row.element_size()
@@ -186,11 +188,11 @@ class PrefixMemo:
         """Write the rows computed since the last save to the store (nothing without one)."""
         if self._stored is not None:
             self._stored.add(self._unsaved)
-        self._unsaved = {}
+        self._unsaved, self._unsaved_bytes = {}, 0
 
     def _bind_store(self, start: int) -> None:
         """Read the store's rows of this prefix (the fingerprint's and split's), when the memo keeps one."""
-        self._unsaved = {}
+        self._unsaved, self._unsaved_bytes = {}, 0
         if self.store is not None:
             self._stored = RowStore(Path(self.store) / f"prefix.{self.fingerprint}.{start}.{ROWS_ALONE}")
 
@@ -204,11 +206,11 @@ class PrefixMemo:
                 raise ValueError(f"this memo holds the inputs of block {self._cache.start} of a model whose frozen "
                                  f"prefix hashes to {self.fingerprint}; the cache splits at block {cache.start} of "
                                  f"one hashing to {digest}: its rows would be another model's")
-            if self._cache is None:
-                self.fingerprint = digest
-                self._bind_store(cache.start)
+            first = self._cache is None
             self._cache, self._tensors, self.fingerprint = cache, tensors, digest
             self._versions = _versions(tensors)
+            if first:
+                self._bind_store(cache.start)
         elif cache.start != self._cache.start:
             raise ValueError(f"this memo holds the inputs of block {self._cache.start}, not of block {cache.start}")
         elif _versions(self._tensors) != self._versions:  # a tensor below the split was written: hash it again

@@ -88,8 +88,8 @@ def client_cache(ctx: ClientContext, local: LocalTraining) -> PrefixCache | None
     if local.pass_fraction >= 1.0 and not simulated:
         return None
     start = first_trainable_layer(ctx.model, ctx.trainable.names)
-    watched = list(zip(ctx.trainable.names, ctx.trainable.params, strict=True))
-    cache = None if start is None else PrefixCache(ctx.model, start, ctx.task.full_vocabulary, ctx.prefixes, watched)
+    cache = None if start is None else PrefixCache(ctx.model, start, ctx.task.full_vocabulary, ctx.prefixes,
+                                                   ctx.trainable.named())
     if local.pass_fraction >= 1.0:  # the simulator's own split; the plan's charge stays whole passes
         return cache
     if cache is None or abs(cache.fraction - local.pass_fraction) > 1e-9:
@@ -175,8 +175,7 @@ def round_features(ctx: ClientContext, local: LocalTraining, client_id: int, ind
     chosen = np.sort(rng.choice(indices, size=min(local.feature_cache, len(indices)), replace=False))
     if cache.start < len(cache.layers):  # blocks train: keep the chosen examples' prefixes for the round
         if cache.memo is None:  # no simulator memo (a Flower client): the round keeps its own
-            cache = PrefixCache(ctx.model, cache.start, ctx.task.full_vocabulary, PrefixMemo(),
-                                list(zip(ctx.trainable.names, ctx.trainable.params, strict=True)))
+            cache = PrefixCache(ctx.model, cache.start, ctx.task.full_vocabulary, PrefixMemo(), ctx.trainable.named())
         return RoundPrefixes(chosen, cache)
     if not hasattr(ctx.task, "last_features"):
         raise ValueError("zo.cache: features needs a prompt-classification task with every block frozen and "

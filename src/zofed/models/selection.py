@@ -120,6 +120,10 @@ class TrainableParams:
         return sum(int(m.count_nonzero()) if m is not None else p.numel()
                    for p, m in zip(self.params, self.masks, strict=True))
 
+    def named(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """(name, parameter) pairs, in the selection's order."""
+        return list(zip(self.names, self.params, strict=True))
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: p.detach().clone() for name, p in zip(self.names, self.params, strict=True)}
 

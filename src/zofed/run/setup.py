@@ -31,8 +31,6 @@ from zofed.run.config import ConfigError, FinetuneConfig
 from zofed.zo.feature_scale import combine, feature_noise_scales
 from zofed.zo.prefix import PrefixCache, first_trainable_layer
 
-# the directory that keeps remembered body features across runs (zo.cache: features), one file per model
-
 
 @dataclass
 class Setup:
@@ -190,8 +188,7 @@ def prefix_cache(config: FinetuneConfig, model: torch.nn.Module, trainable: Trai
             return None
         raise ConfigError(f"zo.cache: {config.zo.cache} needs a decoder-only model (blocks in `layers`, a final "
                           "`norm`) whose trainable tensors all lie in its blocks or above them, none in the embeddings")
-    cache = PrefixCache(model, start, output_layer=task.full_vocabulary,
-                        trainable=list(zip(trainable.names, trainable.params, strict=True)))
+    cache = PrefixCache(model, start, output_layer=task.full_vocabulary, trainable=trainable.named())
     return None if auto and cache.fraction >= 1.0 else cache
 
 
