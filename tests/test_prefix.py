@@ -93,6 +93,26 @@ def test_a_pass_reuses_the_outputs_of_blocks_whose_trainable_tensors_kept_their_
         assert value == task.cached_loss(model, PrefixCache(model, 2), batch)()
 
 
+def test_a_pass_that_changes_only_the_top_blocks_mlp_side_reuses_its_attention():
+    """The top block's keys and values (all positions) run again only when its input norm or attention changed;
+    a pass that moved only its post-attention norm runs the MLP side alone and gives a fresh cache's bits."""
+    model, trainable, task, batch = _setup(patterns=[r"layers\.3\..*norm\.weight$"])
+    watched = list(zip(trainable.names, trainable.params, strict=True))
+    reusing = task.cached_loss(model, PrefixCache(model, 3, trainable=watched), batch)
+    keys, mlps = [], []
+    model.model.layers[3].self_attn.k_proj.register_forward_pre_hook(lambda *args: keys.append(1))
+    model.model.layers[3].mlp.register_forward_pre_hook(lambda *args: mlps.append(1))
+    by_name = dict(zip(trainable.names, trainable.tensors(), strict=True))
+    after, before = "model.layers.3.post_attention_layernorm.weight", "model.layers.3.input_layernorm.weight"
+    reusing()
+    for i, (name, attended) in enumerate([(after, 0), (after, 0), (before, 1), (after, 0), (before, 1)]):
+        keys.clear(), mlps.clear()
+        by_name[name].mul_(1 + 0.1 * torch.randn(by_name[name].shape, generator=torch.Generator().manual_seed(i)))
+        value = reusing()
+        assert (len(keys), len(mlps)) == (attended, 1)
+        assert value == task.cached_loss(model, PrefixCache(model, 3), batch)()
+
+
 def test_a_zo_step_on_the_cached_loss_is_the_step_on_the_full_loss():
     runs = []
     for use_cache in (False, True):

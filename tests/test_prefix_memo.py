@@ -308,14 +308,14 @@ def test_whole_passes_charged_on_the_label_head_are_simulated_on_remembered_feat
 
 
 def test_the_learning_curve_reads_remembered_prefixes_of_the_watched_examples(tmp_path, monkeypatch):
-    """Curve points run only the blocks above the split, each watched example's prefix computed once in the run,
-    and read within rounding what running each batch whole reads."""
+    """Curve points and the final test run only the blocks above the split, each test example's prefix computed
+    once in the run, and read within rounding what running each batch whole reads."""
     import zofed.run.federated as federated
 
     ws = _deep_workspace(tmp_path / "ws")
     options = ["trainable.mode=lora", "trainable.lora_r=2", "trainable.lora_layers=[6, 7]", "zo.cache=prefix",
-               "federation.rounds=3", "federation.eval_every=1", "federation.local_steps=2"]
-    splits, curves = [], {}
+               "federation.rounds=3", "federation.eval_every=1", "federation.local_steps=2", "data.eval_examples=12"]
+    splits, curves, tests = [], {}, {}
     watched_prefixes = federated.watched_prefixes
     def recording(*args):
         splits.append(watched_prefixes(*args))
@@ -324,11 +324,14 @@ def test_the_learning_curve_reads_remembered_prefixes_of_the_watched_examples(tm
     for remember in (False, True):
         with monkeypatch.context() as patch:
             patch.setattr(federated, "watched_prefixes", recording if remember else lambda *args: None)
-            federated.run_federated(tiny_federated_config(ws, tmp_path / f"run-{remember}", *options),
-                                    show_progress=False)
+            tests[remember] = federated.run_federated(tiny_federated_config(ws, tmp_path / f"run-{remember}",
+                                                                            *options), show_progress=False)
         records = [json.loads(line) for line in (tmp_path / f"run-{remember}" / "metrics.jsonl").open()]
         curves[remember] = [r["eval_loss"] for r in records if "eval_loss" in r]
     assert len(curves[True]) == 4 and curves[True] == pytest.approx(curves[False], abs=1e-5)
     assert len(set(curves[True])) > 1  # the model moved between the points
+    assert tests[True]["test"]["loss"] == pytest.approx(tests[False]["test"]["loss"], abs=1e-5)
     memo = splits[0].memo
-    assert memo.computed == len(memo) == 30  # data.eval_examples: each watched example ran through the bottom once
+    # each test example ran through the bottom once: the 12 watched (data.eval_examples) for the curve, the rest
+    # for the final test, which reads the watched ones' rows again
+    assert memo.computed == len(memo) == tests[True]["test_examples"] > 12

@@ -33,11 +33,13 @@ def test_a_run_on_round_prefixes_learns_draws_only_the_cached_examples_and_repla
 
     ws = _deep_workspace(tmp_path / "ws")
     drawn: list[tuple[set, set]] = []
+    losses = []
     step_loss = RoundPrefixes.step_loss
 
     def recording(self, ctx, local, client_id, step, cache, shift):
         loss = step_loss(self, ctx, local, client_id, step, cache, shift)
         drawn.append((set(self.chosen.tolist()), set(self.cache.memo.rows)))
+        losses.append(loss)
         return loss
 
     monkeypatch.setattr(client.RoundPrefixes, "step_loss", recording)
@@ -47,6 +49,8 @@ def test_a_run_on_round_prefixes_learns_draws_only_the_cached_examples_and_repla
                                                  "federation.eval_every=1", "optimizer.lr=0.05", "zo.queries=2"),
                            show_progress=False)
     assert len(drawn) == 4 * 2 * 6 and all(len(chosen) == 4 for chosen, _ in drawn)  # rounds x clients x steps
+    # a batch (8) as large as the round's examples: one loss serves a client's 6 steps, its prefix built once
+    assert [len({id(f) for f in losses[i:i + 6]}) for i in range(0, len(losses), 6)] == [1] * 8
     fraction = 2 / 8  # the tiny model's top 2 of 8 blocks
     per_client = 4 / 8 * (1 - fraction) + 6 * zo_passes(2, "forward") * fraction
     assert result["forward_passes_per_client_round"] == pytest.approx(per_client)

@@ -7,7 +7,7 @@ perturbation each step uses is the method's choice (fl/methods/); this module on
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -155,10 +155,19 @@ class RoundPrefixes:
 
     chosen: np.ndarray
     cache: PrefixCache
+    every: Callable[[], float] | None = None  # the loss of all the round's examples, built at the first step
 
     def step_loss(self, ctx: ClientContext, local: LocalTraining, client_id: int, step: int, cache: PrefixCache,
                   shift: torch.Tensor | None):
-        """The loss of local step `step`'s batch, as a function of the trainable top blocks (a ZO step's loss)."""
+        """The loss of local step `step`'s batch, as a function of the trainable top blocks (a ZO step's loss).
+        A batch as large as the round's examples is all of them, in the same (sorted) order at every step: one loss
+        serves the round, so its prefix is assembled once and the blocks' outputs are kept from step to step while
+        their trainable tensors hold their bits (a step on the label head or the final norm runs no block)."""
+        if local.batch_size >= len(self.chosen):
+            if self.every is None:
+                self.every = ctx.task.cached_loss(ctx.model, self.cache, ctx.task.collate(ctx.train, self.chosen),
+                                                  shift)
+            return self.every
         rows = self.chosen[batch_rows(local, client_id, np.arange(len(self.chosen)), step)]
         return ctx.task.cached_loss(ctx.model, self.cache, ctx.task.collate(ctx.train, rows), shift)
 

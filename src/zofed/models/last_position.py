@@ -7,8 +7,10 @@ SmolLM2 the MLP and the query and output projections are 94% of a block's weight
 faster this way (docs/engine.md), a pass over the top 4 blocks about a quarter faster.
 
 The result is the full block's at that position within float rounding (the products run over other shapes), not
-bit for bit. Only transformers' Llama block (SmolLM2 and the other Llama-architecture models) is computed this
-way: its attention is plain scaled dot-product attention with rotary positions and grouped key-value heads; any
+bit for bit. The keys and values over every position cost most of such a pass, so it comes in two halves
+(`attended_at_last_position`, `finish_at_last_position`): a pass that changes only the post-attention norm or the
+MLP reuses the first. Only transformers' Llama block (SmolLM2 and the other Llama-architecture models) is computed
+this way: its attention is plain scaled dot-product attention with rotary positions and grouped key-value heads; any
 other block runs whole (`supports_last_position`). Rows must be right-padded (each row's real tokens first), as
 zofed's collate pads them.
 """
@@ -35,11 +37,19 @@ def supports_last_position(block: torch.nn.Module) -> bool:
     return getattr(attn.config, "_attn_implementation", "eager") in ("eager", "sdpa")
 
 
-def block_at_last_position(block: torch.nn.Module, hidden: torch.Tensor, last: torch.Tensor,
-                           position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """The output of `block` (a Llama block) at position `last[b]` of each row b (rows x width), given its input
-    `hidden` (rows x positions x width) and the rotary embeddings (cos, sin) the backbone passes its blocks. Each
-    row's query attends to its positions up to `last[b]`, as the causal mask lets it."""
+def feeds_attention(name: str) -> bool:
+    """Whether the tensor called `name` (a Llama block's, as named in the model) changes what the block's attention
+    gives at the last position: its input norm and attention projections (LoRA adapters on them included), not its
+    post-attention norm or MLP."""
+    return ".self_attn." in name or ".input_layernorm." in name
+
+
+def attended_at_last_position(block: torch.nn.Module, hidden: torch.Tensor, last: torch.Tensor,
+                              position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The residual stream of `block` (a Llama block) after its attention, at position `last[b]` of each row b
+    (rows x width), given its input `hidden` (rows x positions x width) and the rotary embeddings (cos, sin) the
+    backbone passes its blocks. Each row's query attends to its positions up to `last[b]`, as the causal mask lets
+    it."""
     attn = block.self_attn
     rows = torch.arange(hidden.shape[0], device=hidden.device)
     normed = block.input_layernorm(hidden)
@@ -55,5 +65,17 @@ def block_at_last_position(block: torch.nn.Module, hidden: torch.Tensor, last: t
     visible = torch.arange(hidden.shape[1], device=hidden.device)[None] <= last[:, None]
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=visible[:, None, None, :],
                                          scale=attn.scaling)
-    residual = hidden[rows, last] + attn.o_proj(out.transpose(1, 2).reshape(len(rows), -1))
-    return residual + block.mlp(block.post_attention_layernorm(residual))
+    return hidden[rows, last] + attn.o_proj(out.transpose(1, 2).reshape(len(rows), -1))
+
+
+def finish_at_last_position(block: torch.nn.Module, attended: torch.Tensor) -> torch.Tensor:
+    """The output of `block` at the last positions from its residual after attention (`attended_at_last_position`):
+    the post-attention norm and the MLP, row by row."""
+    return attended + block.mlp(block.post_attention_layernorm(attended))
+
+
+def block_at_last_position(block: torch.nn.Module, hidden: torch.Tensor, last: torch.Tensor,
+                           position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The output of `block` (a Llama block) at position `last[b]` of each row b (rows x width), given its input
+    `hidden` (rows x positions x width) and the rotary embeddings: its attention, then its MLP."""
+    return finish_at_last_position(block, attended_at_last_position(block, hidden, last, position_embeddings))

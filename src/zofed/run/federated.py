@@ -30,7 +30,7 @@ from zofed import streams
 from zofed.atomic_files import remove_stale_temporaries, write_atomic_text
 from zofed.data.generation import showing_generation
 from zofed.data.partition import ClientSplit, client_splits, format_summary, plot_partition, summarize
-from zofed.data.prefix_memo import simulation_memo
+from zofed.data.prefix_memo import MEMO_CAP_BYTES, row_bytes, simulation_memo
 from zofed.data.tasks import Task
 from zofed.fl.aggregate import make_aggregator
 from zofed.fl.attacks import Attack
@@ -205,7 +205,8 @@ class FederatedRun:
         setup, config, fed = self.setup, self.config, self.config.federation
         save_final(setup, self.out)
         t0 = time.perf_counter()
-        test = setup.task.evaluate(setup.model, setup.test, config.train.eval_batch_size, body=setup.body)
+        test = setup.task.evaluate(setup.model, setup.test, config.train.eval_batch_size, body=setup.body,
+                                   prefixes=test_prefixes(setup, self.watched_split))
         test_seconds = time.perf_counter() - t0
         held_out = [client_eval_indices(s, fed.client_eval_examples, config.train.seed) for s in self.splits]
         metric, clients = per_client_metric(setup, held_out, config.train.eval_batch_size)
@@ -293,6 +294,15 @@ def watched_prefixes(setup: Setup, watch: np.ndarray) -> PrefixCache | None:
         return None
     memo = simulation_memo(cache, sum(len(setup.test.input_ids[i]) for i in watch))
     return None if memo is None else PrefixCache(setup.model, cache.start, setup.task.full_vocabulary, memo)
+
+
+def test_prefixes(setup: Setup, watched: PrefixCache | None) -> PrefixCache | None:
+    """The split the final test runs through: the learning curve's (`watched_prefixes`), whose memo already holds
+    the watched examples' rows, so only the other test examples run through the frozen bottom (each alone), when
+    the whole test split's rows fit the simulator's memory; else None (each batch runs the whole model)."""
+    if watched is None or row_bytes(watched, sum(len(ids) for ids in setup.test.input_ids)) > MEMO_CAP_BYTES:
+        return None
+    return watched
 
 
 def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Console | None = None) -> FederatedRun:

@@ -27,7 +27,12 @@ from typing import Any, Protocol
 
 import torch
 
-from zofed.models.last_position import block_at_last_position, supports_last_position
+from zofed.models.last_position import (
+    attended_at_last_position,
+    feeds_attention,
+    finish_at_last_position,
+    supports_last_position,
+)
 from zofed.models.selection import unwrap
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -97,10 +102,13 @@ class PrefixCache:
         # blocks' below it hold the bits they had (`last_hidden` with `kept`); None (not told what trains): every
         # pass runs every block
         self.watched: dict[int, list[torch.Tensor]] | None = None if trainable is None else {}
+        self.watched_attention: dict[int, list[torch.Tensor]] = {}  # those of them its attention reads
         for name, tensor in trainable or ():
             match = _LAYER.search(name)
             if match:
                 self.watched.setdefault(int(match.group(1)), []).append(tensor)
+                if feeds_attention(name):
+                    self.watched_attention.setdefault(int(match.group(1)), []).append(tensor)
         self.layers = self.backbone.layers
         if not 0 <= start <= len(self.layers):
             raise ValueError(f"the model has {len(self.layers)} blocks; cannot start a cached pass at block {start}")
@@ -184,7 +192,8 @@ class PrefixCache:
         kind allows (`block_at_last_position`), else whole. `kept` (an empty dict the first time, then the same one
         for the same prefix) keeps each block's output with the bits of its watched tensors: a later pass runs
         only the blocks from the lowest one whose tensors changed (none, when a step perturbed only what lies
-        above the blocks: the final norm or the label head)."""
+        above the blocks: the final norm or the label head), and the top block's attention output while what its
+        attention reads holds its bits (`_top_at_last_position`)."""
         last = attention_mask.sum(1) - 1
         kwargs = dict(prefix.kwargs)
         hidden, rest = (prefix.args[0], prefix.args[1:]) if prefix.args else (kwargs.pop("hidden_states"), ())
@@ -206,7 +215,7 @@ class PrefixCache:
             hidden = outs[first - 1]
         for j in range(first, len(blocks)):
             if j == len(blocks) - 1 and alone:
-                hidden = block_at_last_position(blocks[j], hidden, last, kwargs["position_embeddings"])
+                hidden = self._top_at_last_position(blocks[j], hidden, last, kwargs["position_embeddings"], kept)
             else:
                 out = blocks[j](hidden, *rest, **kwargs)
                 hidden = out[0] if isinstance(out, tuple) else out
@@ -214,6 +223,21 @@ class PrefixCache:
                 outs.append(hidden)
                 bits.append([t.clone() for t in watched.get(self.start + j, [])])
         return self.backbone.norm(hidden if alone else hidden[rows, last])
+
+    def _top_at_last_position(self, block: torch.nn.Module, hidden: torch.Tensor, last: torch.Tensor,
+                              position_embeddings: tuple, kept: dict | None) -> torch.Tensor:
+        """The top block at each row's last position; with `kept`, its attention's output is reused while the block
+        reads the same input and the watched tensors its attention reads hold the same bits (a pass that perturbs
+        only its post-attention norm or MLP runs those alone)."""
+        if kept is None:
+            return finish_at_last_position(block, attended_at_last_position(block, hidden, last, position_embeddings))
+        reads = self.watched_attention.get(len(self.layers) - 1, [])
+        was = kept.get("attended")
+        if was is None or was[0] is not hidden or not all(
+                torch.equal(a, b) for a, b in zip(was[1], reads, strict=True)):
+            attended = attended_at_last_position(block, hidden, last, position_embeddings)
+            kept["attended"] = was = (hidden, [t.clone() for t in reads], attended)
+        return finish_at_last_position(block, was[2])
 
     @torch.no_grad()
     def hidden(self, prefix: Prefix) -> torch.Tensor:
