@@ -13,6 +13,10 @@ on both alike:
                       passes, restore, as zo_step runs it
   fo_head_step        a first-order step on cached features of the label head: forward + backward through the
                       final norm and the head
+  zo_weights_*        a perturbed pass of the weights recipe (the label head, the top block's two norm gains, the
+                      final norm; the prefix below the top block cached) after a step moved one of its tensors:
+                      the top block's input norm (the block runs again, at the last position), its post-attention
+                      norm (its attention output is reused), the final norm or the head (no block runs)
 
 Beside each measured ratio stands the rule's value for the same work. The head rows' rule is a per-position share
 of multiply-adds, which leaves out the fixed cost of each call. The machine's 1-minute load average is recorded at
@@ -138,6 +142,38 @@ def head_rows(row: Row, batch_size: int, seq_len: int) -> dict[str, float]:
     return shares
 
 
+def weights_rows(row: Row, batch_size: int, seq_len: int) -> float:
+    """The weights recipe's perturbed passes, each after a step moved one tensor (a sign flip of 1e-3 each call,
+    so the kept outputs above that tensor are stale as in a run); returns the share the rule counts each with."""
+    model, params, task, batch = build(TrainableConfig(mode="none", label_head=True, top_norms=1), batch_size,
+                                       seq_len)
+    unit = full_forward(model, task, batch)
+    start = first_trainable_layer(model, params.names)
+    cache = PrefixCache(model, start, trainable=params.named())
+    loss = task.cached_loss(model, cache, batch)  # keeps block outputs from pass to pass, as a round's steps do
+    tensors = dict(params.named())
+
+    def after_moving(name: str) -> Callable[[], float]:
+        signs = [1e-3]
+
+        @torch.no_grad()
+        def run() -> float:
+            tensors[name].add_(signs[0])
+            signs[0] = -signs[0]
+            return loss()
+        return run
+
+    for suffix, name, what in [
+            ("input_norm", f"model.layers.{start}.input_layernorm.weight", "the top block's input norm moved"),
+            ("post_attention_norm", f"model.layers.{start}.post_attention_layernorm.weight",
+             "the top block's post-attention norm moved"),
+            ("final_norm", "model.norm.weight", "the final norm moved"),
+            ("head", "label_head", "the label head moved")]:
+        row(f"zo_weights_{suffix}", f"weights recipe: a perturbed pass after {what}", after_moving(name),
+            cache.fraction, unit)
+    return cache.fraction
+
+
 def backprop_row(row: Row, name: str, what: str, config: TrainableConfig, batch_size: int,
                  seq_len: int) -> float:
     """A first-order step (forward + backward) of a fresh model's `config` selection; returns its backward share."""
@@ -159,6 +195,7 @@ def measure(batch_size: int, seq_len: int, repeats: int, warmup: int) -> tuple[l
                      "measured": seconds / unit_seconds, "rule": rule})
 
     shares = head_rows(row, batch_size, seq_len)
+    shares["weights_pass_fraction"] = weights_rows(row, batch_size, seq_len)
     top = "|".join(str(b) for b in range(shares["blocks"] - TOP, shares["blocks"]))
     shares["lora_backward_fraction"] = backprop_row(
         row, "fo_lora_step", "first-order step of LoRA (r 8, q and v of every block): forward + backward",
