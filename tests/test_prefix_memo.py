@@ -16,6 +16,7 @@ from zofed.data.task_factory import make_task
 from zofed.data.tasks import TaskConfig
 from zofed.models.selection import TrainableConfig, select_trainable
 from zofed.models.tiny import tiny_causal_lm
+from zofed.run.metrics import CLIENT_LISTS
 from zofed.zo.perturb import Perturbation, add_directions_
 from zofed.zo.prefix import PrefixCache, first_trainable_layer, forward_equivalents
 
@@ -215,8 +216,9 @@ def test_a_resumed_run_with_remembered_prefixes_ends_bit_identical(tmp_path):
 
 
 def test_a_store_keeps_the_rows_across_runs_and_a_run_reading_it_ends_bit_identical(tmp_path, monkeypatch):
-    """A cold store is filled by the first run; the second computes no row (it writes no file) and ends with the
-    first one's tensors, as does a run with no store at all."""
+    """A cold store is filled by the first run, the clients' held-out examples' rows too; the second computes no row
+    (it writes no file) and ends with the first one's tensors and per-client scores, as does a run with no store
+    at all (its scores within rounding: it runs the held-out batches whole)."""
     from safetensors.torch import load_file
 
     import zofed.sim.engine as engine
@@ -229,8 +231,9 @@ def test_a_store_keeps_the_rows_across_runs_and_a_run_reading_it_ends_bit_identi
                "federation.rounds=2", "federation.local_steps=2", "federation.method=zo-seeds"]
     store = tmp_path / "store"
     monkeypatch.setenv("ZOFED_FEATURE_STORE", str(store))
+    results = {}
     for name in ("cold", "warm"):
-        run_federated(tiny_federated_config(ws, tmp_path / name, *options), show_progress=False)
+        results[name] = run_federated(tiny_federated_config(ws, tmp_path / name, *options), show_progress=False)
         if name == "cold":
             files = sorted(store.rglob("*.safetensors"))
             assert files and all(f.parent.name.startswith("prefix.") for f in files)
@@ -238,7 +241,10 @@ def test_a_store_keeps_the_rows_across_runs_and_a_run_reading_it_ends_bit_identi
     assert cold.computed > 0 and cold.loaded == 0 and warm.computed == 0 and warm.loaded == cold.computed
     assert sorted(store.rglob("*.safetensors")) == files  # the warm run had nothing to add
     monkeypatch.delenv("ZOFED_FEATURE_STORE")
-    run_federated(tiny_federated_config(ws, tmp_path / "none", *options), show_progress=False)
+    results["none"] = run_federated(tiny_federated_config(ws, tmp_path / "none", *options), show_progress=False)
+    scores = {name: r[CLIENT_LISTS[r["client_metric"]]] for name, r in results.items()}
+    assert results["cold"]["client_test_examples"] > 0 and scores["cold"] == scores["warm"]
+    assert scores["none"] == pytest.approx(scores["cold"], abs=1e-4)
     final = {name: load_file(str(tmp_path / name / "final" / "trainable.safetensors"))
              for name in ("cold", "warm", "none")}
     assert all(torch.equal(final["cold"][k], final[other][k]) for k in final["cold"] for other in ("warm", "none"))

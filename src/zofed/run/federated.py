@@ -14,6 +14,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -28,6 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from zofed import streams
 from zofed.atomic_files import remove_stale_temporaries, write_atomic_text
+from zofed.data.body_features import STORE_VARIABLE
 from zofed.data.generation import showing_generation
 from zofed.data.partition import ClientSplit, client_splits, format_summary, plot_partition, summarize
 from zofed.data.prefix_memo import MEMO_CAP_BYTES, row_bytes, simulation_memo
@@ -59,14 +61,16 @@ def client_eval_indices(split: ClientSplit, cap: int | None, seed: int) -> np.nd
     return np.sort(streams.client_eval(seed, split.client_id).choice(split.test, size=cap, replace=False))
 
 
-def per_client_metric(setup: Setup, held_out: list[np.ndarray], batch_size: int) -> tuple[str, list[float]]:
+def per_client_metric(setup: Setup, held_out: list[np.ndarray], batch_size: int,
+                      prefixes: PrefixCache | None = None) -> tuple[str, list[float]]:
     """The global model on each client's own held-out examples (personalized evaluation; `held_out` holds each
     client's indices into the training data): the task's headline metric (accuracy for classification; ROUGE-L for
-    a causal LM that generates, task.generate_eval > 0, else its loss) and its value per client with examples."""
+    a causal LM that generates, task.generate_eval > 0, else its loss) and its value per client with examples.
+    `prefixes`: a split whose memo remembers the examples' frozen prefixes (`held_out_prefixes`)."""
     task = setup.config.task
     # From the task, not from the results: a federation whose clients hold no test examples still has one.
     metric = "accuracy" if task.type != "causal-lm" else "rougeL" if task.generate_eval > 0 else "loss"
-    results = [setup.task.evaluate(setup.model, setup.train, batch_size, idx, body=setup.body)
+    results = [setup.task.evaluate(setup.model, setup.train, batch_size, idx, body=setup.body, prefixes=prefixes)
                for idx in held_out if len(idx)]
     return metric, [r[metric] for r in results]
 
@@ -209,8 +213,11 @@ class FederatedRun:
                                    prefixes=test_prefixes(setup, self.watched_split))
         test_seconds = time.perf_counter() - t0
         held_out = [client_eval_indices(s, fed.client_eval_examples, config.train.seed) for s in self.splits]
-        metric, clients = per_client_metric(setup, held_out, config.train.eval_batch_size)
+        held_split = held_out_prefixes(setup, held_out)
+        metric, clients = per_client_metric(setup, held_out, config.train.eval_batch_size, held_split)
         setup.save_remembered()
+        if held_split is not None:
+            held_split.memo.save()
         if self.watched_split is not None and self.watched_split.memo is not None:
             self.watched_split.memo.save()
         records = self.metrics.read()
@@ -284,16 +291,31 @@ def model_shares(model: torch.nn.Module, trainable_names: Sequence[str], task: T
             "head_fraction": head_fraction(model, classes)}
 
 
-def watched_prefixes(setup: Setup, watch: np.ndarray) -> PrefixCache | None:
-    """A split at the run's prefix cache for the learning curve's evaluations, remembering what each watched example
-    gives below it (data/prefix_memo.py), so every curve point after the first runs only the blocks above: None
-    without a prefix cache, where the body's features are remembered instead, or where the rows could not be kept
-    (`simulation_memo`). A curve point reads the rows within rounding of running each batch whole."""
+def remembering_split(setup: Setup, tokens: int) -> PrefixCache | None:
+    """A split at the run's prefix cache whose memo remembers what each example it meets gives below it
+    (data/prefix_memo.py), for examples of `tokens` tokens in all: None without a prefix cache, where the body's
+    features are remembered instead, or where the rows could not be kept (`simulation_memo`). An evaluation through
+    it reads the rows within rounding of running each batch whole."""
     cache = setup.cache
     if cache is None or setup.body is not None or cache.start == 0 or not setup.task.splits_at_prefix:
         return None
-    memo = simulation_memo(cache, sum(len(setup.test.input_ids[i]) for i in watch))
+    memo = simulation_memo(cache, tokens)
     return None if memo is None else PrefixCache(setup.model, cache.start, setup.task.full_vocabulary, memo)
+
+
+def watched_prefixes(setup: Setup, watch: np.ndarray) -> PrefixCache | None:
+    """The split the learning curve's evaluations run through (`remembering_split`): every curve point after the
+    first runs only the blocks above it."""
+    return remembering_split(setup, sum(len(setup.test.input_ids[i]) for i in watch))
+
+
+def held_out_prefixes(setup: Setup, held_out: list[np.ndarray]) -> PrefixCache | None:
+    """The split the clients' held-out examples are evaluated through at the end, when a store keeps rows across
+    runs (ZOFED_FEATURE_STORE): a later run of the same prefix reads them instead of running the frozen bottom.
+    None without a store, where computing the rows one by one would save nothing (`remembering_split` otherwise)."""
+    if not os.environ.get(STORE_VARIABLE):
+        return None
+    return remembering_split(setup, sum(len(setup.train.input_ids[i]) for idx in held_out for i in idx))
 
 
 def test_prefixes(setup: Setup, watched: PrefixCache | None) -> PrefixCache | None:
