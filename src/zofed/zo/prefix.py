@@ -29,6 +29,7 @@ import torch
 
 from zofed.models.last_position import (
     attended_at_last_position,
+    block_at_last_position,
     feeds_attention,
     finish_at_last_position,
     supports_last_position,
@@ -230,7 +231,7 @@ class PrefixCache:
         reads the same input and the watched tensors its attention reads hold the same bits (a pass that perturbs
         only its post-attention norm or MLP runs those alone)."""
         if kept is None:
-            return finish_at_last_position(block, attended_at_last_position(block, hidden, last, position_embeddings))
+            return block_at_last_position(block, hidden, last, position_embeddings)
         reads = self.watched_attention.get(len(self.layers) - 1, [])
         was = kept.get("attended")
         if was is None or was[0] is not hidden or not all(
