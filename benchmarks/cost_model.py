@@ -48,7 +48,7 @@ from zofed.fl.cost import first_order_step, head_step
 from zofed.models.registry import load_model
 from zofed.models.selection import TrainableConfig, select_trainable
 from zofed.zo.optim import make_optimizer
-from zofed.zo.prefix import PrefixCache, backward_fraction, first_trainable_layer, head_fraction
+from zofed.zo.prefix import PrefixCache, backward_fraction, first_trainable_layer, head_fraction, tensor_pass_shares
 from zofed.zo.step import zo_step
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
@@ -144,7 +144,9 @@ def head_rows(row: Row, batch_size: int, seq_len: int) -> dict[str, float]:
 
 def weights_rows(row: Row, batch_size: int, seq_len: int) -> float:
     """The weights recipe's perturbed passes, each after a step moved one tensor (a sign flip of 1e-3 each call,
-    so the kept outputs above that tensor are stale as in a run); returns the share the rule counts each with."""
+    so the kept outputs above that tensor are stale as in a run), each beside the share the rule charges such a pass
+    (`tensor_pass_shares`: the top block for its norms, the label head's share above it); returns the recipe's
+    pass fraction."""
     model, params, task, batch = build(TrainableConfig(mode="none", label_head=True, top_norms=1), batch_size,
                                        seq_len)
     unit = full_forward(model, task, batch)
@@ -152,6 +154,7 @@ def weights_rows(row: Row, batch_size: int, seq_len: int) -> float:
     cache = PrefixCache(model, start, trainable=params.named())
     loss = task.cached_loss(model, cache, batch)  # keeps block outputs from pass to pass, as a round's steps do
     tensors = dict(params.named())
+    charged = dict(zip(params.names, tensor_pass_shares(model, params.names, num_classes=len(LABELS)), strict=True))
 
     def after_moving(name: str) -> Callable[[], float]:
         signs = [1e-3]
@@ -170,7 +173,7 @@ def weights_rows(row: Row, batch_size: int, seq_len: int) -> float:
             ("final_norm", "model.norm.weight", "the final norm moved"),
             ("head", "label_head", "the label head moved")]:
         row(f"zo_weights_{suffix}", f"weights recipe: a perturbed pass after {what}", after_moving(name),
-            cache.fraction, unit)
+            charged[name], unit)
     return cache.fraction
 
 

@@ -107,10 +107,12 @@ def _run(row: str, seed: int, budget: float, evalset: tuple[int | None, int, int
     results = run_federated(config, resume=find_checkpoint(out / "checkpoint") is not None,
                             show_progress=sys.stderr.isatty(), console=Console(stderr=True))
     wall = time.perf_counter() - t0
+    # the row's cost model must be the run's; a zofed row is charged each step from the tensors it drew, which
+    # can cost less than the plan (its rounds are still the plan's, so it spends at most the budget)
     expected = per_client_round_cost(row)
-    if abs(results["forward_passes_per_client_round"] - expected) > 1e-9:  # the row's cost model must be the run's
+    if results["forward_passes_per_client_round"] > expected + 1e-9:
         raise RuntimeError(f"{row}: the run counted {results['forward_passes_per_client_round']} passes a client "
-                           f"round, the benchmark planned {expected}")
+                           f"round, the benchmark planned at most {expected}")
     return config, results, MetricsLog(out / "metrics.jsonl").read(), wall, out
 
 

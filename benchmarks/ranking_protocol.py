@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from fractions import Fraction
 from functools import cache, lru_cache
 from pathlib import Path
@@ -279,30 +280,51 @@ def _model_shares(model: str, task: str, trainable: str, classes: int) -> tuple[
 
 
 @cache
-def _cost(table: str, row: str, dataset: str) -> float:
+def _costs(table: str, row: str, dataset: str) -> tuple[float, float]:
+    """The most and the least a client's round of this row costs (equal unless its steps move some tensors)."""
     p = protocol()
     config = base_config(p, table, row, dataset)
     classes = len(config.task.verbalizer or [])
     shares, splits = _model_shares(config.model.name, config.task.model_dump_json(),
                                    config.trainable.model_dump_json(), classes)
     plan = federation_plan(config, p.federation.clients, pass_fraction(p, table, config, splits), **dict(shares))
-    method = get_method(config.federation.method)
-    return method.forward_passes(get_method(plan.method).round_plan(plan.round(0), plan.sampling))
+    method = get_method(plan.method)
+    local = method.round_plan(plan.round(0), plan.sampling)
+    return method.forward_passes(local), method.least_passes(local, plan.tensor_shares)
 
 
 def per_client_round_cost(table: str, row: str, dataset: str) -> float:
     """Forward-pass equivalents one client spends in a round of this row on `dataset` (the label head's share
-    depends on its label count), as its method counts them (0 for a row that trains nothing)."""
+    depends on its label count), as its method counts them (0 for a row that trains nothing): the most, for a
+    method that charges each step the tensors it drew (`least_client_round_cost`)."""
     if protocol().tables[table].rows[row].kind == "zero-shot":
         return 0.0
-    return _cost(table, row, dataset)
+    return _costs(table, row, dataset)[0]
+
+
+def least_client_round_cost(table: str, row: str, dataset: str) -> float:
+    """The least a client's round of this row can cost: below `per_client_round_cost` where the method charges
+    each step from the tensors it drew (zofed's block sampling), so its rounds are known only as they run."""
+    if protocol().tables[table].rows[row].kind == "zero-shot":
+        return 0.0
+    return _costs(table, row, dataset)[1]
 
 
 def rounds_for(table: str, row: str, dataset: str, phase: str = "tune") -> int:
-    """The rounds the phase's budget buys this row on `dataset` (0 for a row that trains nothing)."""
+    """The rounds the phase's budget buys this row on `dataset` at most (0 for a row that trains nothing): all of
+    them where every round costs the same, else the cap a run stops before (`budget_stop`)."""
     p = protocol()
-    cost = per_client_round_cost(table, row, dataset)
+    cost = least_client_round_cost(table, row, dataset)
     return 0 if cost == 0 else max(1, int(phase_budget(p, table, phase) // (p.federation.per_round * cost)))
+
+
+def budget_stop(table: str, row: str, dataset: str, phase: str) -> Callable[[dict], bool]:
+    """Ends a run after the round past which another could spend more than the phase's budget (what `rounds_for`
+    gives, where every round costs the same)."""
+    p = protocol()
+    most = p.federation.per_round * per_client_round_cost(table, row, dataset)
+    budget = phase_budget(p, table, phase)
+    return lambda record: record["forward_passes"] + most > budget * (1 + 1e-12)
 
 
 def grid(p: Protocol, table: str, row: str, phase: str = "tune") -> list[float]:

@@ -110,6 +110,16 @@ def settings_lines(p: Protocol, table: str, rows: list[dict]) -> list[str]:
     return lines
 
 
+def _charged(table: str, row: str, dataset: str, rs: list[dict]) -> str:
+    """A row's passes per client round and rounds (two cells): as its final runs counted them, which a method
+    that charges each step from the tensors it drew spends differently from run to run; else as planned."""
+    if not rs:
+        return f"{per_client_round_cost(table, row, dataset):.4g} | {rounds_for(table, row, dataset)}"
+    rounds = sorted({r["rounds"] for r in rs})
+    shown = str(rounds[0]) if len(rounds) == 1 else f"{rounds[0]} to {rounds[-1]}"
+    return f"{np.mean([r['forward_passes_per_client_round'] for r in rs]):.4g} | {shown}"
+
+
 def dataset_lines(p: Protocol, table: str, dataset: str, alpha: float, rows: list[dict]) -> list[str]:
     """One dataset's table: each row's chosen lr, final accuracy, cost and rounds; the missing rows; zofed's
     paired differences; the compute to reach the best ZO baseline."""
@@ -135,7 +145,7 @@ def dataset_lines(p: Protocol, table: str, dataset: str, alpha: float, rows: lis
         up = f"{np.mean([r['bytes_up_per_client_round'] for r in rs]):,.0f}" if rs else "n/a"
         accuracy = _mean_std(rs) if rs else "missing"
         lines.append(f"| {name} | {tuned} | {validation} | {accuracy} | {len(rs)} | {up} "
-                     f"| {per_client_round_cost(table, name, dataset):.4g} | {rounds_for(table, name, dataset)} |")
+                     f"| {_charged(table, name, dataset, rs)} |")
     if missing:
         lines += ["", "Still missing: " + ", ".join(missing) + "."]
     zofed = by_row.get("zofed", [])

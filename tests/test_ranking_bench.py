@@ -101,15 +101,31 @@ def test_fedavg_on_the_head_runs_the_same_engine_first_order(tmp_path):
 
 
 def test_every_row_spends_at_most_the_budget_and_a_round_less_than_it():
+    varying = []
     for table, t in P.tables.items():
         for row, spec in t.rows.items():
             cost = protocol.per_client_round_cost(table, row, "agnews")
+            least = protocol.least_client_round_cost(table, row, "agnews")
             rounds = protocol.rounds_for(table, row, "agnews")
             if spec.kind == "zero-shot":
-                assert (cost, rounds) == (0.0, 0)
+                assert (cost, least, rounds) == (0.0, 0.0, 0)
                 continue
-            spent = rounds * P.federation.per_round * cost
-            assert P.federation.budget - P.federation.per_round * cost < spent <= P.federation.budget, (table, row)
+            budget, round_cost = P.federation.budget, P.federation.per_round * cost
+            stop = protocol.budget_stop(table, row, "agnews", "tune")
+            # a run stops after the round past which the next could overspend: a round's most before the budget
+            assert not stop({"forward_passes": budget - round_cost - 1e-6})
+            assert stop({"forward_passes": budget - round_cost + 1e-6})
+            if least < cost:  # charged by its draws: its rounds are a cap the budget stop comes before
+                varying.append((table, row))
+                assert rounds * P.federation.per_round * least <= budget
+                continue
+            spent = rounds * round_cost
+            assert budget - round_cost < spent <= budget, (table, row)
+            assert stop({"forward_passes": spent}) and not stop({"forward_passes": spent - round_cost})
+    # zofed's rows on the model's weights charge each step from the tensor it drew; every other row is dense, and
+    # the head is one tensor
+    assert {row for _, row in varying} == {"zofed", "zofed-plain-server"}
+    assert {table for table, _ in varying} == {t for t in P.tables if t != "head"}
     # the published zo-seeds runs every perturbed pass through the whole model: it buys fewer rounds
     assert protocol.rounds_for("head", "zo-seeds-plain", "agnews") < protocol.rounds_for("head", "zofed", "agnews")
 
@@ -289,7 +305,7 @@ def _stored(row: str, seed: int, final: float, phase: str = "final", lr: float =
     return {"phase": phase, "table": table, "row": row, "dataset": dataset, "alpha": 0.1, "seed": seed, "lr": lr,
             "budget": 1000.0, "protocol": protocol.row_digest(P, table, row), "final_accuracy": final,
             "bytes_up_per_client_round": 900.0, "trainable_tensors": 1, "rounds": 200,
-            "curve": [[p, 0.0, i, a] for i, (p, a) in enumerate(curve)]}
+            "forward_passes_per_client_round": 1.0, "curve": [[p, 0.0, i, a] for i, (p, a) in enumerate(curve)]}
 
 
 def test_only_rows_of_the_current_protocol_are_kept():

@@ -12,6 +12,11 @@
 - Steps on a round's cached prefixes (zo.cache: prefix with federation.cached_examples; ZO only): the frozen
   bottom runs once a round over the cached examples, its share of a pass per batch, and each step costs its
   perturbed passes over the top.
+- A ZO step whose perturbation moves only some of the trainable tensors (zofed's block sampling) runs its first
+  pass from the lowest trainable block and the others from the block of the lowest tensor it moved (the share
+  `tensor_pass_shares` gives that tensor): the blocks below it give what they gave the first pass. A step that
+  moves every trainable tensor is charged as before. The server knows each step's drawn tensors from the seeds
+  and the distribution it sent, so it charges every client what its draws ran (`Method.client_passes`).
 
 benchmarks/cost_model.py times each kind of step against a full forward pass and writes the measured ratios
 beside these (docs/results/cost_model.md).
@@ -19,8 +24,10 @@ beside these (docs/results/cost_model.md).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from zofed.fl.plan import LocalTraining
-from zofed.zo.prefix import forward_equivalents, zo_passes
+from zofed.zo.prefix import zo_passes
 
 FIRST_ORDER_HEAD_PASSES = 3  # a forward and a backward worth two
 
@@ -37,21 +44,37 @@ def head_step(head_fraction: float, first_order: bool, queries: int, estimator: 
     return passes * head_fraction
 
 
-def step_passes(local: LocalTraining, first_order: bool) -> float:
-    """One local step's compute in full forward passes (without the round's pass over cached features)."""
+def step_passes(local: LocalTraining, first_order: bool, share: float | None = None) -> float:
+    """One local step's compute in full forward passes (without the round's pass over cached features); `share`:
+    the share of a pass from the lowest tensor the step moved up (None: every trainable tensor moved)."""
     if local.feature_cache and local.pass_fraction == 0.0:  # every block frozen: the steps run the head
         return head_step(local.head_fraction, first_order, local.queries, local.estimator)
     if local.feature_cache:
         if first_order:
             raise ValueError("a round's cached prefixes serve ZO steps; a first-order step runs its own batch")
-        return zo_passes(local.queries, local.estimator) * local.pass_fraction
+        return _zo_step(local, share, bottom=0.0)
     if first_order:
         return first_order_step(local.backward_fraction)
-    return forward_equivalents(local.pass_fraction, local.queries, local.estimator)
+    return _zo_step(local, share, bottom=1.0 - local.pass_fraction)
 
 
-def round_passes(local: LocalTraining, first_order: bool) -> float:
+def _zo_step(local: LocalTraining, share: float | None, bottom: float) -> float:
+    """The frozen bottom's share when each step runs it (`bottom`), one pass from the lowest trainable block, the
+    other passes from the moved tensor's block (whole passes when nothing is cached: pass_fraction 1)."""
+    top, passes = local.pass_fraction, zo_passes(local.queries, local.estimator)
+    moved = top if share is None or top >= 1.0 else min(share, top)
+    if moved == top:  # every pass from the lowest trainable block (`forward_equivalents`)
+        return bottom + passes * top
+    return bottom + top + (passes - 1) * moved
+
+
+def round_passes(local: LocalTraining, first_order: bool, shares: Sequence[float] | None = None) -> float:
     """One client's compute in a round: its local steps, plus, with cached features or prefixes, the frozen part's
-    pass over the round's `feature_cache` examples in batches (`feature_cache / batch_size` passes of its share)."""
+    pass over the round's `feature_cache` examples in batches (`feature_cache / batch_size` passes of its share).
+    `shares`: each step's share from the lowest tensor it moved (`step_passes`); None: every step moved all."""
     body = local.feature_cache / local.batch_size * (1.0 - local.pass_fraction) if local.feature_cache else 0.0
-    return body + local.local_steps * step_passes(local, first_order)
+    if shares is None:
+        return body + local.local_steps * step_passes(local, first_order)
+    if len(shares) != local.local_steps:
+        raise ValueError(f"{len(shares)} step shares for a round of {local.local_steps} local steps")
+    return body + sum(step_passes(local, first_order, s) for s in shares)

@@ -105,6 +105,9 @@ class FederationPlan:
     logit_adjust: float = 0.0
     feature_cache: int = 0
     scalar_bits: int = 32
+    # each trainable tensor's share of a full pass from its block up (zo/prefix.py `tensor_pass_shares`): what the
+    # server charges a step that moved it and nothing below it (fl/cost.py); (): every step moves every tensor
+    tensor_shares: tuple[float, ...] = ()
 
     def round(self, round_id: int) -> LocalTraining:
         """The round plan before the method adds its own settings (`Method.round_plan`): the server role's

@@ -92,6 +92,7 @@ class ServerRole:
         self.num_trainable = sum(t.numel() for t in self.tensors)
         self.method_state = self.method.init_state(self)
         self._sent: dict[int, np.ndarray] = {}  # each client's server state this round, for its rebuild
+        self.spent = 0.0  # the clients' compute so far, in forward passes of the full model (fl/cost.py)
         self._steps: tuple[list, RoundSteps] | None = None  # the round as arrays, and the objects they are of
         self.last_seconds: dict[str, float] = {}  # the last aggregate's time by phase (rebuild, observe, optimizer)
 
@@ -107,6 +108,11 @@ class ServerRole:
         state = self.method.server_state(self, local, client_id)
         self._sent[client_id] = np.zeros(0, np.float32) if state is None else np.asarray(state, np.float32)
         return self._sent[client_id]
+
+    def client_passes(self, local: LocalTraining, client_id: int) -> float:
+        """What `client_id`'s round costs by the cost rule (fl/cost.py), from its seeds and the state it was sent:
+        known before it trains, and whether it replies or not."""
+        return self.method.client_passes(self, local, client_id, self._sent.get(client_id))
 
     def downlink(self, local: LocalTraining, client_id: int) -> bytes:
         """The encoded message that starts `client_id`'s round: weights, the round plan, the method's state."""

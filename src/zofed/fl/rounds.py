@@ -82,15 +82,15 @@ def run_round(server: ServerRole, round_id: int, deliver: Deliver, *, min_accept
     # Under DP a client's train loss is no part of what the accountant covers: the record leaves it out (NaN)
     losses = [] if server.dp_noise is not None else \
         [u.metrics["train_loss"] for u in inbox.accepted if "train_loss" in u.metrics]
-    per_client = server.method.forward_passes(local)
+    charges = [server.client_passes(local, c) for c in sampled]
+    server.spent += sum(charges)
     record = {"round": round_id + 1, "clients": sampled, "accepted": len(inbox.accepted) + summed,
               "rejected": [{"client": c, "reason": r} for c, r in inbox.rejected],
               "bytes_up_per_client": float(np.mean(inbox.bytes_up)) if inbox.bytes_up else 0.0,
               "bytes_down_per_client": float(np.mean([len(d) for _, d in downlinks])),
               "train_loss": float(np.mean(losses)) if losses else float("nan"),
-              # every round samples the same number of clients, so the run's compute so far is a product
-              "forward_passes_per_client": per_client,
-              "forward_passes": per_client * len(sampled) * (round_id + 1)}
+              "forward_passes_per_client": float(np.mean(charges)),
+              "forward_passes": server.spent}  # the run's so far
     if summed:
         record["secure_sum_of"] = len(inbox.accepted) + summed
     if len(inbox.accepted) + summed < min_accepted:

@@ -51,7 +51,7 @@ from zofed.run.setup import Setup, build, eval_indices, save_final
 from zofed.run.stored_config import check_resumed_config, config_yaml, dump_config, with_prompt_format
 from zofed.run.uplink_log import LOG_NAME, LogError, UplinkLog
 from zofed.sim.engine import simulate
-from zofed.zo.prefix import PrefixCache, backward_fraction, head_fraction
+from zofed.zo.prefix import PrefixCache, backward_fraction, head_fraction, tensor_pass_shares
 
 
 def client_eval_indices(split: ClientSplit, cap: int | None, seed: int) -> np.ndarray:
@@ -171,7 +171,7 @@ class FederatedRun:
         trainable = {name: t.view_as(p) for name, t, p in zip(self.setup.trainable.names, server.tensors,
                                                                self.setup.trainable.params, strict=True)}
         save_checkpoint(self.out / "checkpoint", {"trainable": trainable, **server.state_tensors()},
-                        {"round": round_done})
+                        {"round": round_done, "forward_passes": server.spent})
 
     @contextmanager
     def progress(self, console: Console, show: bool) -> Iterator[Callable[[dict], None]]:
@@ -235,7 +235,8 @@ class FederatedRun:
                    "bytes_up_per_client_round": float(np.mean([r["bytes_up_per_client"] for r in history])),
                    "bytes_down_per_client_round": float(np.mean([r["bytes_down_per_client"] for r in history])),
                    "forward_passes": history[-1]["forward_passes"] if history else 0,
-                   "forward_passes_per_client_round": history[-1]["forward_passes_per_client"] if history else 0,
+                   "forward_passes_per_client_round": (history[-1]["forward_passes"]
+                                                       / sum(len(r["clients"]) for r in history)) if history else 0,
                    "rejected_uplinks": sum(len(r["rejected"]) for r in history),
                    f"{key}_start": start[-1] if start else None,
                    f"{key}_final": evaluated[-1] if evaluated else None,
@@ -263,7 +264,8 @@ def make_client_role(config: FederatedConfig, ctx: ClientContext, num_clients: i
 
 def make_server(config: FederatedConfig, trainable: TrainableParams, num_clients: int, pass_fraction: float,
                 optimizer: ServerOptimizer | None = None, screen: Screen | None = None, *,
-                backward_fraction: float = 1.0, head_fraction: float = 0.0) -> ServerRole:
+                backward_fraction: float = 1.0, head_fraction: float = 0.0,
+                tensor_shares: Sequence[float] = ()) -> ServerRole:
     """The server role of a run, from its config and its starting trainable tensors (and the run's screen, which
     needs the model and probe data: a replay leaves it out, as its log holds only the updates that passed).
     The fractions are the shares of a full pass a client's compute is counted with (`model_shares`)."""
@@ -273,7 +275,7 @@ def make_server(config: FederatedConfig, trainable: TrainableParams, num_clients
                           f"trainable.mode=none trainable.label_head=true); this run's trainable tensors make a "
                           f"perturbed pass run {pass_fraction:.3f} of the blocks")
     plan = federation_plan(config, num_clients, pass_fraction, backward_fraction=backward_fraction,
-                           head_fraction=head_fraction)
+                           head_fraction=head_fraction, tensor_shares=tuple(tensor_shares))
     try:
         return ServerRole(plan, trainable.tensors(), trainable.masks,
                           optimizer or fed.server_optimizer.build(fed.method, fed.rounds),
@@ -283,12 +285,20 @@ def make_server(config: FederatedConfig, trainable: TrainableParams, num_clients
         raise ConfigError(f"federation: {err}") from None
 
 
-def model_shares(model: torch.nn.Module, trainable_names: Sequence[str], task: Task) -> dict[str, float]:
+def plan_passes(server: ServerRole) -> float:
+    """A round's compute when every sampled client is charged its plan's full cost (`Method.forward_passes`)."""
+    plan = server.plan
+    return server.method.forward_passes(server.round_plan(0)) * min(plan.clients_per_round, plan.num_clients)
+
+
+def model_shares(model: torch.nn.Module, trainable_names: Sequence[str], task: Task) -> dict[str, Any]:
     """The shares of a full forward pass that the cost rule (fl/cost.py) counts a client's steps with, measured
-    from the model's weights: back-propagation's and the label head's (`make_server`'s keyword arguments)."""
+    from the model's weights: back-propagation's, the label head's and each trainable tensor's from its block up
+    (`make_server`'s keyword arguments)."""
     classes = task.num_classes or 0
     return {"backward_fraction": backward_fraction(model, trainable_names, task.full_vocabulary, classes),
-            "head_fraction": head_fraction(model, classes)}
+            "head_fraction": head_fraction(model, classes),
+            "tensor_shares": tensor_pass_shares(model, trainable_names, task.full_vocabulary, classes)}
 
 
 def remembering_split(setup: Setup, tokens: int) -> PrefixCache | None:
@@ -373,6 +383,8 @@ def prepare_run(config: FederatedConfig, *, resume: bool = False, console: Conso
         setup.trainable.load_state_dict(saved["trainable"])
         server.load_state(setup.trainable.tensors(), saved)
         start_round = int(meta["round"])
+        # (a checkpoint from before it kept the compute: every client of every round charged the plan's cost)
+        server.spent = float(meta.get("forward_passes", start_round * plan_passes(server)))
     metrics.truncate_after(start_round if start_round else -1)  # without a checkpoint all records start over
     watch = eval_indices(config, setup.test)
     if not fed.log_uplinks:

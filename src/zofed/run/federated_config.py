@@ -367,11 +367,12 @@ CENTRALIZED_ONLY = {
 
 
 def federation_plan(config: FederatedConfig, num_clients: int, pass_fraction: float = 1.0, *,
-                    backward_fraction: float = 1.0, head_fraction: float = 0.0) -> FederationPlan:
+                    backward_fraction: float = 1.0, head_fraction: float = 0.0,
+                    tensor_shares: tuple[float, ...] = ()) -> FederationPlan:
     """The plan of a configured run over `num_clients` clients (the partition decides how many);
     `pass_fraction` is the share of blocks a perturbed pass runs (the setup's prefix cache knows it), and
-    `backward_fraction` and `head_fraction` the shares a client's compute is counted with (fl/cost.py). A
-    first-order client runs the whole model (pass_fraction 1) unless it steps on cached features."""
+    `backward_fraction`, `head_fraction` and `tensor_shares` the shares a client's compute is counted with
+    (fl/cost.py). A first-order client runs the whole model (pass_fraction 1) unless it steps on cached features."""
     fed, sampling = config.federation, config.federation.sampling
     method = get_method(fed.method)
     settings: dict[str, Any] = {
@@ -387,5 +388,6 @@ def federation_plan(config: FederatedConfig, num_clients: int, pass_fraction: fl
         "estimator": config.zo.resolved_estimator(fed.method),
         "optimizer": "mezo" if method.first_order else config.optimizer.name, "momentum": config.optimizer.momentum,
         "beta1": config.optimizer.beta1, "beta2": config.optimizer.beta2, "logit_adjust": fed.logit_adjust,
-        "feature_cache": config.feature_cache(), "scalar_bits": fed.scalar_bits}
+        "feature_cache": config.feature_cache(), "scalar_bits": fed.scalar_bits,
+        "tensor_shares": () if method.first_order else tensor_shares}
     return FederationPlan(**settings)

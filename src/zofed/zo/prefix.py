@@ -251,6 +251,27 @@ class PrefixCache:
         return self.backbone.norm(hidden)
 
 
+def tensor_pass_shares(model: torch.nn.Module, trainable_names: Sequence[str], output_layer: bool = False,
+                       num_classes: int = 0) -> tuple[float, ...]:
+    """Each trainable tensor's share of a full forward pass that a perturbed pass runs when a step moves that tensor
+    and none below it: from its block up, as `PrefixCache.fraction` counts a pass starting there, or for a tensor
+    above the blocks (the final norm, a label head, the output layer) what reads it: the vocabulary projection's
+    share with `output_layer`, else the label head's (`head_fraction`). A pass runs whole blocks, so a block's
+    post-attention tensors count the whole block. () when the model cannot be split or a tensor lies below the
+    blocks (every pass runs from the bottom)."""
+    if first_trainable_layer(model, trainable_names) is None:
+        return ()
+    layers = len(_blocks(model)[1])
+    starts = []
+    for name in trainable_names:
+        match = _LAYER.search(name)
+        starts.append(int(match.group(1)) if match else layers)
+    fractions = {start: PrefixCache(model, start, output_layer).fraction for start in set(starts)}
+    if layers in fractions and not output_layer:
+        fractions[layers] = head_fraction(model, num_classes)
+    return tuple(fractions[start] for start in starts)
+
+
 def forward_equivalents(fraction: float, queries: int, estimator: str = "central") -> float:
     """One ZO step's compute in full forward passes: the capture pass over the frozen bottom, then passes over
     the top `fraction` of the blocks, two per query for the central estimate, one per query plus the shared

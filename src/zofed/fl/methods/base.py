@@ -99,8 +99,19 @@ class Method:
 
     def forward_passes(self, local: LocalTraining) -> float:
         """One client's compute in a round, in forward passes of the full model, by the rule every method shares
-        (fl/cost.py): ZO steps with or without a cached prefix, back-propagated steps, steps on cached features."""
+        (fl/cost.py): ZO steps with or without a cached prefix, back-propagated steps, steps on cached features.
+        The most a round can cost: a method whose steps move some tensors may charge less (`client_passes`)."""
         return round_passes(local, self.first_order)
+
+    def least_passes(self, local: LocalTraining, tensor_shares: Sequence[float]) -> float:
+        """The least a client's round can cost (`client_passes` at its cheapest draws): a budget's most rounds."""
+        return self.forward_passes(local)
+
+    def client_passes(self, server: ServerView, local: LocalTraining, client_id: int, sent: np.ndarray | None
+                      ) -> float:
+        """What `client_id`'s round this round cost, by the same rule, from what the server knows of it (its seeds
+        and the state it was sent): every step moves every trainable tensor unless the method says otherwise."""
+        return self.forward_passes(local)
 
     def shares_seeds(self, shared_seeds_setting: bool) -> bool:
         """Whether a round's clients step on the same seeds (what the `seed-median` aggregator needs); zofed's

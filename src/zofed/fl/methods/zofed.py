@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from zofed import streams
+from zofed.fl.cost import round_passes
 from zofed.fl.methods.base import Method, ServerDefault, ServerView, StepSeeds, private_seeds
 from zofed.fl.personal import (
     BlockSampling,
@@ -51,6 +52,9 @@ class BlockState:
     sizes: np.ndarray  # coordinates each block can move
     numels: np.ndarray  # elements of each tensor
     stats: BlockStats
+    # each block's share of a full pass from its lowest tensor up: what a step drawing it is charged with
+    # (fl/cost.py); None when the plan has no tensor shares (every step charged the whole trainable part)
+    shares: np.ndarray | None = None
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
         return self.stats.to_tensors()
@@ -63,6 +67,18 @@ def block_probes(update: ClientUpdate, pi: np.ndarray) -> tuple[list[int], list[
     """The blocks a client's steps drew and their energy estimates pi_b g^2 (mean over queries)."""
     blocks = draw_blocks(step_seeds(update), pi)
     return blocks, probe_energy(update.grads, pi, blocks).tolist()
+
+
+def block_shares(tensor_shares: Sequence[float], layout: np.ndarray) -> np.ndarray | None:
+    """Each block's share of a pass from its lowest tensor up (the largest of its tensors' shares); None without
+    tensor shares."""
+    if not tensor_shares:
+        return None
+    if len(tensor_shares) != len(layout):
+        raise ValueError(f"{len(tensor_shares)} tensor shares for {len(layout)} trainable tensors")
+    shares = np.zeros(int(layout.max()) + 1)
+    np.maximum.at(shares, layout, np.asarray(tensor_shares, dtype=np.float64))
+    return shares
 
 
 def round_draws(steps: RoundSteps, num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
@@ -127,7 +143,22 @@ class Zofed(Method):
         sizes = block_sizes(server.tensors, server.masks, layout)
         return BlockState(layout, block_sizes(server.tensors, server.masks), sizes,
                           np.asarray([t.numel() for t in server.tensors], dtype=np.float64),
-                          BlockStats.zeros(server.plan.num_clients, len(sizes)))
+                          BlockStats.zeros(server.plan.num_clients, len(sizes)),
+                          block_shares(server.plan.tensor_shares, layout))
+
+    def least_passes(self, local: LocalTraining, tensor_shares: Sequence[float]) -> float:
+        if local.tilt or not tensor_shares:
+            return self.forward_passes(local)
+        return round_passes(local, False, [min(tensor_shares)] * local.local_steps)
+
+    def client_passes(self, server: ServerView, local: LocalTraining, client_id: int, sent: np.ndarray | None
+                      ) -> float:
+        """Each step charged from the lowest tensor of the block it drew (a tilted step moves every tensor)."""
+        state: BlockState = server.method_state
+        if state.shares is None or local.tilt or sent is None:
+            return self.forward_passes(local)
+        blocks = draw_blocks(self.step_seeds(local, client_id).seeds, sent[:len(state.sizes)])
+        return round_passes(local, False, state.shares[blocks].tolist())
 
     def server_state(self, server: ServerView, local: LocalTraining, client_id: int) -> np.ndarray:
         """The client's pi (and, with a tilt, the server's first moment after it)."""
