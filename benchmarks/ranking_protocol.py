@@ -126,6 +126,8 @@ class Protocol(_Strict):
     datasets: list[str] = Field(min_length=1)
     seeds: Seeds
     grids: dict[str, list[float]]
+    # the config key a grid's values go to where it is not the row's client lr (`lr_key`): a server lever
+    grid_keys: dict[str, str] = {}
     tables: dict[str, Table] = Field(min_length=1)
     calibration: Calibration | None = None
 
@@ -141,7 +143,7 @@ class Protocol(_Strict):
                     raise ValueError(f"table {table_name}, row {name}: grid {row.grid!r} is not one of "
                                      f"{list(self.grids)}")
                 kind = "first-order" if row.method and get_method(row.method).first_order else "zo"
-                if row.grid is not None and (row.grid == "zo") != (kind == "zo"):
+                if row.grid is not None and row.grid not in self.grid_keys and (row.grid == "zo") != (kind == "zo"):
                     raise ValueError(f"table {table_name}, row {name}: a {kind} row on the {row.grid!r} grid")
             for name in table.calibrate:
                 row = table.rows.get(name)
@@ -249,8 +251,11 @@ def phase_seeds(p: Protocol, phase: str) -> list[int]:
 
 
 def lr_key(p: Protocol, table: str, row: str) -> str:
-    method = p.tables[table].rows[row].method
-    return "federation.first_order_lr" if method and get_method(method).first_order else "optimizer.lr"
+    """The config key a row's tuned value goes to: its grid's own key (a server lever), else its clients' lr."""
+    r = p.tables[table].rows[row]
+    if r.grid in p.grid_keys:
+        return p.grid_keys[r.grid]
+    return "federation.first_order_lr" if r.method and get_method(r.method).first_order else "optimizer.lr"
 
 
 def base_config(p: Protocol, table: str, row: str, dataset: str | None = None) -> FederatedConfig:

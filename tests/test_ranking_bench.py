@@ -54,8 +54,11 @@ def test_zofed_row_is_zofed_run_with_nothing_but_the_shape_and_the_runner_keys(t
         plain = load_config(None, [*protocol.shape_overrides(P), *TASKS["agnews"], "data.source=shared:agnews",
                                    *trainable, *named], schema=FederatedConfig)
         differ = {k for k, v in flatten(plain.model_dump()).items() if row[k] != v}
-        assert differ <= RUNNER_KEYS, (table, differ - RUNNER_KEYS)
-        assert "optimizer.lr" in differ and "federation.rounds" in differ  # the runner does set them
+        tuned = protocol.lr_key(P, table, "zofed")  # its clients' lr, or the server lr that sets its step
+        assert differ <= RUNNER_KEYS | {tuned}, (table, differ - RUNNER_KEYS)
+        assert tuned in differ and "federation.rounds" in differ  # the runner does set them
+        # on the model's weights zofed's adaptive server normalizes the update: its step is tuned there
+        assert tuned == ("optimizer.lr" if table == "head" else "federation.server_optimizer.lr"), table
     assert _run_config("head", "zofed", tmp_path).federation.recipe == "head"  # `zofed run`'s head recipe
     assert _run_config("top4", "zofed", tmp_path).federation.recipe == "none"  # trainable.mode set: schema defaults
 
@@ -79,8 +82,9 @@ def test_an_ablation_is_zofed_with_one_component_off_and_is_never_the_judged_row
     for table in ("top4", "top4-lora"):
         zofed = flatten(_run_config(table, "zofed", tmp_path).model_dump())
         for row, keys in {"zofed-no-sampling": {"federation.sampling.personalize"},
+                          # plain averaging steps by its clients' lr: that is what it is tuned on
                           "zofed-plain-server": {"federation.server_optimizer.name",
-                                                 "federation.server_optimizer.lr"}}.items():
+                                                 "federation.server_optimizer.lr", "optimizer.lr"}}.items():
             other = flatten(_run_config(table, row, tmp_path).model_dump())
             assert {k for k in zofed if zofed[k] != other[k]} - {"federation.rounds", "federation.eval_every"} \
                 == keys, (table, row)

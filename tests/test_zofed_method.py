@@ -302,6 +302,26 @@ def test_relative_steps_move_each_tensor_in_proportion_to_its_own_scale():
         ServerOptimizer("sgd", relative=True)
 
 
+def test_zofed_s_default_server_step_does_not_follow_the_clients_lr():
+    """zofed's default server (adam, one second moment, relative steps) normalizes the round's update: an update
+    ten times larger (clients stepping at ten times the lr) moves the tensors by the same step, which the server lr
+    alone sets; plain averaging moves them ten times as far. Why benchmarks/ranking.yaml tunes zofed's server lr."""
+    default = get_method("zofed").server_default
+    d = [torch.tensor([0.3, -1.0, 0.2, -0.5]), torch.tensor([1.0, 0.1])]
+    moved = {}
+    for name, lr, relative in (("zofed", default.lr, default.relative), ("sgd", 1.0, False)):
+        for scale in (1.0, 10.0):
+            opt = ServerOptimizer("adam" if name == "zofed" else "sgd", lr=lr, granularity=default.granularity,
+                                  relative=relative)
+            t = [torch.full((4,), 1.0), torch.full((2,), 0.5)]
+            opt.apply(t, opt.init(t), [scale * x for x in d])
+            moved[name, scale] = torch.cat([x.reshape(-1) for x in t])
+    start = torch.cat([torch.full((4,), 1.0), torch.full((2,), 0.5)])
+    assert torch.allclose(moved["zofed", 1.0], moved["zofed", 10.0], atol=1e-6)
+    assert not torch.allclose(moved["zofed", 1.0], start)
+    assert torch.allclose(moved["sgd", 10.0] - start, 10 * (moved["sgd", 1.0] - start))
+
+
 def test_steps_relative_to_the_start_do_not_grow_with_the_tensor():
     """Measured against the current RMS a tensor that earlier rounds tripled takes a step three times as long, and
     a LoRA B grown past its A steps by its own scale; measured against the run's start both keep the step they
