@@ -14,6 +14,7 @@ from instruction_protocol import (
     CURVE_EXAMPLES,
     FINAL_SEEDS,
     GRIDS,
+    LEVERS,
     LOCAL_STEPS,
     MAX_LENGTH,
     PER_ROUND,
@@ -31,7 +32,7 @@ from instruction_protocol import (
     per_client_round_cost,
     point_of,
     tune_runs,
-    zofed_variant,
+    winning_levers,
 )
 
 from zofed.atomic_files import write_atomic_text
@@ -63,10 +64,11 @@ def settings(rows: list[dict]) -> dict[tuple, dict]:
     return {k: {name: g[name] for name in ROWS if g.get(name)} for k, g in sorted(groups.items())}
 
 
-def target_lines(by_row: dict[str, list[dict]], zofed: str = "zofed", expected: Sequence[str] = ()) -> list[str]:
-    """The issue's two targets, checked from the rows (means over seeds, ROUGE-L points); `zofed` names the zofed
-    variant judged (`zofed_variant`), `expected` the rows the finals run (`final_rows`), so that a row with no
-    final yet keeps the verdict provisional."""
+def target_lines(by_row: dict[str, list[dict]], expected: Sequence[str] = ()) -> list[str]:
+    """The issue's two targets, checked from the rows (means over seeds, ROUGE-L points) for zofed as it ships;
+    `expected` names the rows the finals run (`final_rows`), so that a row with no final yet keeps the verdict
+    provisional."""
+    zofed = "zofed"
     means = {name: mean_std([r["test_rougeL"] for r in rs])[0] for name, rs in by_row.items()}
     federated = [n for n in by_row if n != ZERO_SHOT]
     short = [f"{n} {len(by_row.get(n, []))}" for n in dict.fromkeys([*federated, *expected])
@@ -97,20 +99,27 @@ def target_lines(by_row: dict[str, list[dict]], zofed: str = "zofed", expected: 
         lines.append(line + (f"; both spent {passes.pop():,.0f} forward passes." if len(passes) == 1 else
                              "; the two spent different compute (see the table)."))
     else:
-        lines.append(f"- zofed at least FedKSeed + 1 point: not checked yet (needs the rows of {zofed}, zofed's "
-                     "variant with the lowest validation loss, and of FedKSeed).")
+        lines.append("- zofed at least FedKSeed + 1 point: not checked yet (needs the rows of zofed and of "
+                     "FedKSeed).")
     return lines
 
 
-def finals_scope_lines(rows: list[dict], budget: float, judged: str, expected: Sequence[str]) -> list[str]:
-    """Which zofed variant the finals run (`judged`), and the tuned variants they leave to their tuning runs."""
-    left = [row for row in GRIDS if row not in expected and row in chosen_points(rows, budget)]
+def finals_scope_lines(rows: list[dict], budget: float) -> list[str]:
+    """Which row the targets judge, the levers the finals leave to their tuning runs, and any lever that beat
+    zofed on validation (which would become its default in its own commit before the table is rerun)."""
+    left = [row for row in LEVERS if row in chosen_points(rows, budget)]
     if not left:
         return []
     one = len(left) == 1
-    return [f"The finals run {judged}, the zofed variant with the lowest validation loss after tuning; "
-            f"{', '.join(left)} {'is' if one else 'are'} priced by {'its' if one else 'their'} tuning runs alone "
-            f"({'its' if one else 'their'} finals run when `--rows` names {'it' if one else 'them'}).", ""]
+    lines = [f"The targets judge zofed as `zofed run` ships it; {', '.join(left)} "
+             f"{'is a lever' if one else 'are levers'} priced by {'its' if one else 'their'} tuning runs alone "
+             f"({'its' if one else 'their'} finals run when `--rows` names {'it' if one else 'them'})."]
+    won = winning_levers(rows, budget)
+    if won:
+        lines[0] += " On validation " + "; ".join(f"{row} beat zofed ({ours:.4f} against {theirs:.4f})"
+                                                  for row, (ours, theirs) in won.items()) + \
+            ": a lever that wins becomes zofed's default in its own commit, and the table is rerun."
+    return [*lines, ""]
 
 
 def rising_lines(by_row: dict[str, list[dict]]) -> list[str]:
@@ -248,7 +257,7 @@ def write_report(table: dict, out: Path) -> None:
                   f"choose, or with no federated row scored the same way) {'is' if hidden == 1 else 'are'} not "
                   "shown.", ""]
     for (budget, test, tokens, curve_tokens), by_row in groups.items():
-        judged, expected = zofed_variant(rows, budget), final_rows(rows, budget)
+        expected = final_rows()
         lines += [f"## Budget {budget:,.0f} forward passes; test {test} examples, answers up to {tokens} tokens "
                   f"(curves: {curve_tokens})", "",
                   "| row | seeds | test ROUGE-L (mean ± std) | by seed | test loss | subset ROUGE-L round 0 → end "
@@ -282,7 +291,7 @@ def write_report(table: dict, out: Path) -> None:
                   f"{np.mean([r['setup_seconds'] for r in runs]):.0f}, a curve evaluation "
                   f"{np.mean(curve_seconds) if curve_seconds else float('nan'):.0f}, the final test "
                   f"{np.mean([r['final_eval_seconds'] for r in runs]):.0f}.", "", *rising_lines(by_row), "",
-                  *finals_scope_lines(rows, budget, judged, expected), *target_lines(by_row, judged, expected),
+                  *finals_scope_lines(rows, budget), *target_lines(by_row, expected),
                   "", f"![ROUGE-L curves]({name})", ""]
     write_atomic_text(out / "instruction.md", "\n".join(lines) + "\n")
 
