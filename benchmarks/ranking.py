@@ -194,6 +194,8 @@ def main() -> None:
     parser.add_argument("--rows", nargs="*", help="rows of the table to run (default: all; e.g. leave out "
                         "fedavg-lora, ~20 min a run)")
     parser.add_argument("--datasets", nargs="*", default=p.datasets)
+    parser.add_argument("--seeds", nargs="*", type=int, help="only the phase's runs on these seeds (default: all; "
+                        "e.g. every row's seed 0 first)")
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads per run")
     parser.add_argument("--dry-run", action="store_true", help="list the pending runs, each row's rounds and cost")
@@ -214,6 +216,8 @@ def main() -> None:
         print(f"{old} stored rows belong to another protocol: ignored", flush=True)
     done = {row_key(*(r[k] for k in ("phase", "table", "row", "dataset", "alpha", "seed", "lr"))) for r in kept}
     pending, notes = pending_runs(p, args.table, args.phase, rows, args.datasets, done, choices(kept))
+    if args.seeds is not None:
+        pending = [run for run in pending if run[5] in args.seeds]  # (phase, table, row, dataset, alpha, seed, lr)
     for note in notes:
         print(note, flush=True)
     if args.dry_run:
