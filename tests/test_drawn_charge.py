@@ -105,3 +105,22 @@ def test_a_dense_method_is_charged_its_plan(tiny_workspace, four_blocks, tmp_pat
                             show_progress=False)
     # two queries a step with the central estimate: four passes of the top half, after the bottom half
     assert results["forward_passes_per_client_round"] == pytest.approx(6 * (0.5 + 4 * 0.5))
+
+
+def test_on_a_round_s_cached_prefixes_the_charge_never_undercounts_what_runs(tiny_workspace, four_blocks, tmp_path):
+    """With federation.cached_examples the frozen bottom runs once a round, and with a step batch as large as the
+    cached examples the blocks' outputs carry from step to step: the blocks run are at most those charged."""
+    run = prepare_run(_config(tiny_workspace, four_blocks, tmp_path / "cached", "federation.cached_examples=8",
+                              "zo.queries=4"))
+    server, layers = run.server, run.setup.model.model.layers
+    calls = [0] * len(layers)
+    for i, layer in enumerate(layers):
+        layer.mlp.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    history = simulate(run.client_context(), [s.train for s in run.splits], server, 3,
+                       client=run.client_role()).history
+    client_rounds = 3 * 2
+    charged = sum(r["forward_passes_per_client"] * len(r["clients"]) for r in history)
+    # the bottom half once a round over the 8 cached examples, one batch of 8; the rest in the top blocks
+    top_charged = 4 * charged - 2 * client_rounds
+    assert 0 < calls[2] + calls[3] <= top_charged
+    assert charged < client_rounds * server.method.forward_passes(server.round_plan(0))
