@@ -98,9 +98,11 @@ def test_run_without_a_trainable_set_trains_the_head_and_the_top_blocks_norms_on
     final = load_file(str(out / "final" / "trainable.safetensors"))
     assert sorted(final) == ["label_head", "model.layers.1.input_layernorm.weight",
                              "model.layers.1.post_attention_layernorm.weight", "model.norm.weight"]
-    # a round's 8 cached prefixes (batch 8) below the top block, 1 - f of a pass, then 48 steps of 9 passes over
-    # the top block, f each (the top block of the tiny Llama's two: f = 1/2)
-    assert results["forward_passes_per_client_round"] == pytest.approx(0.5 + 48 * 9 * 0.5)
+    # a round's 8 cached prefixes (batch 8) below the top block, 1 - f of a pass, then 48 steps of 9 passes, the
+    # first over the top block (f = 1/2, the top of the tiny Llama's two), the others over it only where the step
+    # drew one of its norms (else over the head, a small share): between these two
+    charged = results["forward_passes_per_client_round"]
+    assert 0.5 + 48 * 0.5 < charged < 0.5 + 48 * 9 * 0.5
     assert 384 * 2 <= results["bytes_up_per_client_round"] < 1024
 
 

@@ -52,8 +52,10 @@ def test_a_run_on_round_prefixes_learns_draws_only_the_cached_examples_and_repla
     # a batch (8) as large as the round's examples: one loss serves a client's 6 steps, its prefix built once
     assert [len({id(f) for f in losses[i:i + 6]}) for i in range(0, len(losses), 6)] == [1] * 8
     fraction = 2 / 8  # the tiny model's top 2 of 8 blocks
-    per_client = 4 / 8 * (1 - fraction) + 6 * zo_passes(2, "forward") * fraction
-    assert result["forward_passes_per_client_round"] == pytest.approx(per_client)
+    most = 4 / 8 * (1 - fraction) + 6 * zo_passes(2, "forward") * fraction
+    # each step's first pass runs both top blocks, the others only the top one where it drew that block's adapters
+    least = 4 / 8 * (1 - fraction) + 6 * (fraction + (zo_passes(2, "forward") - 1) * fraction / 2)
+    assert least <= result["forward_passes_per_client_round"] < most
     records = [json.loads(line) for line in (out / "metrics.jsonl").open()]
     curve = [r["eval_loss"] for r in records if "eval_loss" in r]
     assert len(set(curve)) == len(curve) == 5  # the top blocks moved every round
