@@ -5,6 +5,7 @@ row's point. benchmarks/instruction.py runs it; benchmarks/instruction_report.py
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from zofed.fl.methods import get_method
 from zofed.run.config import load_config
 from zofed.run.federated_config import FederatedConfig, federation_plan
 from zofed.run.setup import build_model, prefix_cache
+from zofed.zo.prefix import tensor_pass_shares
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "runs" / "bench" / "instruction"
@@ -74,31 +76,58 @@ COMMON = ["model.name=smollm2-135m", "data.source=shared:dolly", "task.type=caus
 DEFAULT_BUDGET = 360
 
 
-def per_client_round_cost(row: str) -> float:
-    """Forward-pass equivalents one client spends in a round of this row, as its method counts them."""
+@functools.cache
+def _costs(row: str) -> tuple[float, float]:
+    """The most and the least a client's round of this row costs, as its method counts them (equal unless its
+    steps are charged by the tensors they drew: zofed's with a cached prefix)."""
     method = ROWS[row]
     if method is None:
-        return 0.0
+        return 0.0, 0.0
     config = load_config(None, [*COMMON, *METHOD_OPTIONS.get(method, []), *ROW_OPTIONS.get(row, []),
                                 f"federation.method={method}"], schema=FederatedConfig)
-    plan = federation_plan(config, CLIENTS, pass_fraction(row) if config.zo.cache != "none" else 1.0)
-    return get_method(method).forward_passes(get_method(plan.method).round_plan(plan.round(0), plan.sampling))
+    fraction, shares = _split(row)
+    plan = federation_plan(config, CLIENTS, fraction if config.zo.cache != "none" else 1.0, tensor_shares=shares)
+    runs = get_method(plan.method)
+    local = runs.round_plan(plan.round(0), plan.sampling)
+    return runs.forward_passes(local), runs.least_passes(local, plan.tensor_shares)
+
+
+def per_client_round_cost(row: str) -> float:
+    """Forward-pass equivalents one client spends in a round of this row, as its method counts them: the most, for
+    a row charged by its draws (`least_client_round_cost`)."""
+    return _costs(row)[0]
+
+
+def least_client_round_cost(row: str) -> float:
+    return _costs(row)[1]
 
 
 @functools.cache
-def pass_fraction(row: str) -> float:
+def _split(row: str) -> tuple[float, tuple[float, ...]]:
     """The share of a full forward pass one perturbed pass of a row runs, read off the model it trains (its blocks
-    above the split and the vocabulary projection, against all of them); 1 where its zo.cache caches nothing (auto
-    on LoRA in every block)."""
+    above the split and the vocabulary projection, against all of them; 1 where its zo.cache caches nothing: auto
+    on LoRA in every block), and each trainable tensor's share from its block up (`tensor_pass_shares`)."""
     config = load_config(None, [*COMMON, *ROW_OPTIONS.get(row, []), f"federation.method={ROWS[row]}"],
                          schema=FederatedConfig)
     model, trainable, task = build_model(config, None, torch.device("cpu"))
     cache = prefix_cache(config, model, trainable, task)
-    return 1.0 if cache is None else cache.fraction
+    return (1.0 if cache is None else cache.fraction), tensor_pass_shares(model, trainable.names, output_layer=True)
+
+
+def pass_fraction(row: str) -> float:
+    return _split(row)[0]
 
 
 def rounds_for(row: str, budget: float) -> int:
-    return max(1, int(budget // (PER_ROUND * per_client_round_cost(row))))
+    """The rounds `budget` buys the row: all of them where every round costs the same, else the most a run
+    could take before its budget stop (`budget_stop`)."""
+    return max(1, int(budget // (PER_ROUND * least_client_round_cost(row))))
+
+
+def budget_stop(row: str, budget: float) -> Callable[[dict], bool]:
+    """Ends a run after the round past which another could spend more than `budget`."""
+    most = PER_ROUND * per_client_round_cost(row)
+    return lambda record: record["forward_passes"] + most > budget * (1 + 1e-12)
 
 
 def _point_key(point: Point) -> str:
