@@ -19,6 +19,7 @@ from ranking_protocol import (
     choices,
     current_rows,
     grid,
+    lr_key,
     per_client_round_cost,
     protocol,
     rounds_for,
@@ -87,11 +88,13 @@ def settings_lines(p: Protocol, table: str, rows: list[dict]) -> list[str]:
     tensors = next((r["trainable_tensors"] for r in rows if r["table"] == table and "trainable_tensors" in r
                     and p.tables[table].rows[r["row"]].trainable != "own"), None)
     s = zofed_settings(config, tensors or 0)
+    tuned = lr_key(p, table, "zofed") == "federation.server_optimizer.lr"
+    server_lr = f"lr tuned on its grid, default {s['server_lr']:g}" if tuned else f"lr {s['server_lr']:g}"
     lines = [f"zofed's row is `zofed run`'s own settings here (recipe {s['recipe']}): {s['estimator']} estimator, "
              f"{s['queries']} queries a step, {s['local_steps']} local steps of batch {s['batch_size']}, zo.cache "
              f"{s['cache']} ({s['cached_examples']} cached examples a client round), {s['scalar_bits']}-bit scalars, "
              f"logit adjustment {s['logit_adjust']:g}, tail averaging from {s['average_from']}, "
-             f"server optimizer {s['server_optimizer']} (lr {s['server_lr']:g}), block sampling over "
+             f"server optimizer {s['server_optimizer']} ({server_lr}), block sampling over "
              f"{s['blocks'] or 'an unknown number of'} blocks (personalize {s['personalize']})."]
     states = dict(s["active"])
     if tensors is None:  # the block count is read from a run's trainable tensors
