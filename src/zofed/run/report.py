@@ -146,7 +146,7 @@ def _markdown(runs: list[RunSummary]) -> str:
         lines.append(f"| {run.name} | {run.method} | {r['rounds']} | {r['test'][metric]:.4f} "
                      f"| {_or_na(r.get(f'client_{metric}_mean'))} | {_or_na(r.get(f'client_{metric}_worst10'))} "
                      f"| {r['bytes_up_per_client_round']:,.0f} | {r['bytes_down_per_client_round']:,.0f} "
-                     f"| {r['forward_passes']:,} | {r['rejected_uplinks']} |")
+                     f"| {r['forward_passes']:,.1f} | {r['rejected_uplinks']} |")
     return "\n".join(lines) + "\n"
 
 
