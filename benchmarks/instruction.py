@@ -81,6 +81,7 @@ from instruction_protocol import (  # benchmarks/ is the script's own directory,
     row_key,
 )
 from instruction_report import write_report
+from ranking_protocol import check_charge
 from rich.console import Console
 from row_pool import record_rows, run_rows
 
@@ -112,11 +113,8 @@ def _run(row: str, seed: int, budget: float, evalset: tuple[int | None, int, int
                             show_progress=sys.stderr.isatty(), console=Console(stderr=True),
                             stop=budget_stop(row, budget))
     wall = time.perf_counter() - t0
-    # the row's cost model must be the run's: each round between the least and the most its plan can cost
-    most, least = per_client_round_cost(row), least_client_round_cost(row)
-    if not least - 1e-9 <= results["forward_passes_per_client_round"] <= most + 1e-9:
-        raise RuntimeError(f"{row}: the run counted {results['forward_passes_per_client_round']} passes a client "
-                           f"round, the benchmark planned {least} to {most}")
+    check_charge(row, results["forward_passes_per_client_round"], least_client_round_cost(row),
+                 per_client_round_cost(row))
     return config, results, MetricsLog(out / "metrics.jsonl").read(), wall, out
 
 

@@ -10,7 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from ranking_protocol import METHOD_OPTIONS  # benchmarks/ is the script's own directory, so first on sys.path
+from ranking_protocol import (  # benchmarks/ is the script's own directory, so first on sys.path
+    METHOD_OPTIONS,
+    stop_at_budget,
+)
 
 from zofed.fl.methods import get_method
 from zofed.run.config import load_config
@@ -126,8 +129,7 @@ def rounds_for(row: str, budget: float) -> int:
 
 def budget_stop(row: str, budget: float) -> Callable[[dict], bool]:
     """Ends a run after the round past which another could spend more than `budget`."""
-    most = PER_ROUND * per_client_round_cost(row)
-    return lambda record: record["forward_passes"] + most > budget * (1 + 1e-12)
+    return stop_at_budget(budget, PER_ROUND * per_client_round_cost(row))
 
 
 def _point_key(point: Point) -> str:

@@ -34,6 +34,7 @@ from ranking_protocol import (
     RESULTS,
     ROOT,
     budget_stop,
+    check_charge,
     check_names,
     choices,
     current_rows,
@@ -131,11 +132,8 @@ def run_one(phase: str, table: str, row: str, dataset: str, alpha: float, seed: 
         stops.append(calibration_stop(protocol(), table, row, dataset, stored, lambda: starting_accuracy(out)))
     results = run_federated(config, resume=find_checkpoint(out / "checkpoint") is not None,
                             show_progress=sys.stderr.isatty(), stop=lambda record: any(s(record) for s in stops))
-    # the row's cost model must be the run's: each round between the least and the most its plan can cost
-    most, least = per_client_round_cost(table, row, dataset), least_client_round_cost(table, row, dataset)
-    if not least - 1e-9 <= results["forward_passes_per_client_round"] <= most + 1e-9:
-        raise RuntimeError(f"{row}: the run counted {results['forward_passes_per_client_round']} passes a client "
-                           f"round, the benchmark planned {least} to {most}")
+    check_charge(row, results["forward_passes_per_client_round"], least_client_round_cost(table, row, dataset),
+                 per_client_round_cost(table, row, dataset))
     rounds = [r for r in MetricsLog(out / "metrics.jsonl").read() if r.get("event") == "round"]
     curve = [[0.0, 0.0, 0, results["eval_accuracy_start"]]] + [
         [r["forward_passes"], r["bytes_up_per_client"] * r["round"], r["round"], r["eval_accuracy"]]

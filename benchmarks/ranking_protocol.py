@@ -323,13 +323,25 @@ def rounds_for(table: str, row: str, dataset: str, phase: str = "tune") -> int:
     return 0 if cost == 0 else max(1, int(phase_budget(p, table, phase) // (p.federation.per_round * cost)))
 
 
+def stop_at_budget(budget: float, round_most: float) -> Callable[[dict], bool]:
+    """Ends a run after the round past which another, costing at most `round_most`, could spend more than `budget`
+    (where every round costs the same: after the rounds budget // round cost)."""
+    return lambda record: record["forward_passes"] + round_most > budget * (1 + 1e-12)
+
+
+def check_charge(row: str, counted: float, least: float, most: float) -> None:
+    """The row's cost model must be the run's: its client rounds cost between the least and the most its plan can."""
+    if not least - 1e-9 <= counted <= most + 1e-9:
+        raise RuntimeError(f"{row}: the run counted {counted} passes a client round, the benchmark planned {least} "
+                           f"to {most}")
+
+
 def budget_stop(table: str, row: str, dataset: str, phase: str) -> Callable[[dict], bool]:
-    """Ends a run after the round past which another could spend more than the phase's budget (what `rounds_for`
-    gives, where every round costs the same)."""
+    """Ends a run of the row where the phase's budget does (`stop_at_budget`, what `rounds_for` gives where every
+    round costs the same)."""
     p = protocol()
-    most = p.federation.per_round * per_client_round_cost(table, row, dataset)
-    budget = phase_budget(p, table, phase)
-    return lambda record: record["forward_passes"] + most > budget * (1 + 1e-12)
+    return stop_at_budget(phase_budget(p, table, phase), p.federation.per_round * per_client_round_cost(table, row,
+                                                                                                        dataset))
 
 
 def grid(p: Protocol, table: str, row: str, phase: str = "tune") -> list[float]:
