@@ -43,7 +43,7 @@ TOP_BLOCKS, TOP_QUERIES = 2, 4
 # reached 0.82 (seed 0) and 0.58 (seed 2) against A's 0.024 (docs/method.md, `zofed replay --trace`).
 ROW_OPTIONS: dict[str, list[str]] = {
     "zofed-top2-cached": [f"trainable.lora_layers={list(range(-TOP_BLOCKS, 0))}", "zo.cache=prefix",
-                          f"zo.queries={TOP_QUERIES}"],
+                          "federation.cached_examples=0", f"zo.queries={TOP_QUERIES}"],  # the bottom once a step
     "zofed-start": ["federation.server_optimizer.relative_to=start"]}
 # The (client lr, server lr factor) points each row is tuned on: four along the lever that sets its step. The client
 # lr is optimizer.lr for the ZO rows (MeZO steps on LoRA), federation.first_order_lr for FedAvg (AdamW); the factor

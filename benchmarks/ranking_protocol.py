@@ -19,6 +19,7 @@ from calibrate import TASKS  # benchmarks/ is the script's own directory, so fir
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from zofed.fl.methods import get_method
+from zofed.fl.plan import FederationPlan
 from zofed.run.config import load_config
 from zofed.run.federated import model_shares
 from zofed.run.federated_config import FederatedConfig, federation_plan
@@ -285,14 +286,21 @@ def _model_shares(model: str, task: str, trainable: str, classes: int) -> tuple[
 
 
 @cache
-def _costs(table: str, row: str, dataset: str) -> tuple[float, float]:
-    """The most and the least a client's round of this row costs (equal unless its steps move some tensors)."""
+def row_plan(table: str, row: str, dataset: str) -> FederationPlan:
+    """A row's federation plan as its run builds it: the cost rule's shares, and whether zo.cache auto splits the
+    model (so whether a round's prefixes are cached), measured on the model."""
     p = protocol()
     config = base_config(p, table, row, dataset)
     classes = len(config.task.verbalizer or [])
     shares, splits = _model_shares(config.model.name, config.task.model_dump_json(),
                                    config.trainable.model_dump_json(), classes)
-    plan = federation_plan(config, p.federation.clients, pass_fraction(p, table, config, splits), **dict(shares))
+    return federation_plan(config, p.federation.clients, pass_fraction(p, table, config, splits), **dict(shares))
+
+
+@cache
+def _costs(table: str, row: str, dataset: str) -> tuple[float, float]:
+    """The most and the least a client's round of this row costs (equal unless its steps move some tensors)."""
+    plan = row_plan(table, row, dataset)
     method = get_method(plan.method)
     local = method.round_plan(plan.round(0), plan.sampling)
     return method.forward_passes(local), method.least_passes(local, plan.tensor_shares)
@@ -484,15 +492,16 @@ COMPONENTS = {"block_sampling": "personalized block sampling (each client draws 
               "server_momentum": "global adaptive server momentum"}
 
 
-def zofed_settings(config: FederatedConfig, trainable_tensors: int) -> dict:
-    """zofed's resolved settings in a config, and which of its two components they leave active: block sampling
-    needs more than one block to draw from (fl/personal.py draws each step's block from the client's pi), the
-    adaptive server any optimizer other than plain averaging (sgd)."""
+def zofed_settings(config: FederatedConfig, trainable_tensors: int, cached_examples: int) -> dict:
+    """zofed's resolved settings in a config (`cached_examples`: its plan's, which depends on where the model
+    splits), and which of its two components they leave active: block sampling needs more than one block to draw
+    from (fl/personal.py draws each step's block from the client's pi), the adaptive server any optimizer other
+    than plain averaging (sgd)."""
     fed, zo = config.federation, config.zo
     server = fed.server_optimizer.resolved(fed.method, fed.rounds)
     blocks = fed.sampling.blocks or trainable_tensors
     return {"estimator": zo.resolved_estimator(fed.method), "queries": zo.queries, "local_steps": fed.local_steps,
-            "batch_size": config.train.batch_size, "cached_examples": config.feature_cache(),
+            "batch_size": config.train.batch_size, "cached_examples": cached_examples,
             "scalar_bits": fed.scalar_bits, "logit_adjust": fed.logit_adjust, "average_from": fed.average_from,
             "cache": zo.cache, "server_optimizer": server["name"], "server_lr": server["lr"],
             "personalize": fed.sampling.personalize, "blocks": blocks, "recipe": fed.recipe,

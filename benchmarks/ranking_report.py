@@ -23,6 +23,7 @@ from ranking_protocol import (
     per_client_round_cost,
     protocol,
     rounds_for,
+    row_plan,
     setting_key,
     table_budget,
     zofed_settings,
@@ -87,7 +88,7 @@ def settings_lines(p: Protocol, table: str, rows: list[dict]) -> list[str]:
     config = base_config(p, table, "zofed")
     tensors = next((r["trainable_tensors"] for r in rows if r["table"] == table and "trainable_tensors" in r
                     and p.tables[table].rows[r["row"]].trainable != "own"), None)
-    s = zofed_settings(config, tensors or 0)
+    s = zofed_settings(config, tensors or 0, row_plan(table, "zofed", p.datasets[0]).feature_cache)
     tuned = lr_key(p, table, "zofed") == "federation.server_optimizer.lr"
     server_lr = f"lr tuned on its grid, default {s['server_lr']:g}" if tuned else f"lr {s['server_lr']:g}"
     lines = [f"zofed's row is `zofed run`'s own settings here (recipe {s['recipe']}): {s['estimator']} estimator, "

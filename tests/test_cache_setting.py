@@ -33,6 +33,12 @@ def test_a_retired_key_is_refused_naming_what_replaced_it(override):
 def test_cached_examples_default_to_one_batch_and_only_go_with_cached_features():
     plain = load_config(None, ["federation.recipe=none"], schema=FederatedConfig)
     assert (plain.zo.cache, plain.federation.cached_examples, plain.feature_cache()) == ("auto", None, 0)
+    # auto caches a round's prefixes wherever the setup splits the model: the bottom runs once a round, not a step
+    assert plain.feature_cache(prefix_split=True) == plain.train.batch_size == 16
+    per_step = load_config(None, ["federation.recipe=none", "federation.cached_examples=0"], schema=FederatedConfig)
+    assert per_step.feature_cache(prefix_split=True) == 0  # 0: every step captures its own batch
+    first_order = load_config(None, ["federation.method=fedavg"], schema=FederatedConfig)
+    assert first_order.feature_cache(prefix_split=True) == 0  # back-propagation runs every batch through the top
     one_batch = load_config(None, ["trainable.mode=none", "trainable.label_head=true", "zo.cache=features",
                                    "train.batch_size=6"], schema=FederatedConfig)
     assert one_batch.feature_cache() == 6
@@ -41,7 +47,7 @@ def test_cached_examples_default_to_one_batch_and_only_go_with_cached_features()
     weights = load_config(None, [], schema=FederatedConfig)  # the default: the round's prefixes below the top block
     assert (weights.zo.cache, weights.federation.cached_examples, weights.feature_cache()) == ("prefix", 8, 8)
     assert load_config(None, ["zo.cache=prefix", "trainable.mode=none", "trainable.label_head=true"],
-                       schema=FederatedConfig).feature_cache() == 0
+                       schema=FederatedConfig).feature_cache() == 16
     round_prefixes = load_config(None, ["zo.cache=prefix", "federation.cached_examples=4"], schema=FederatedConfig)
     assert round_prefixes.feature_cache() == 4  # the round's prefixes, for blocks above a frozen bottom
     with pytest.raises(ConfigError, match="federation.cached_examples=4 .* this run has zo.cache: none"):
@@ -49,6 +55,8 @@ def test_cached_examples_default_to_one_batch_and_only_go_with_cached_features()
     with pytest.raises(ConfigError, match="fedavg back-propagates"):
         load_config(None, ["zo.cache=prefix", "federation.cached_examples=4", "federation.method=fedavg"],
                     schema=FederatedConfig)
+    with pytest.raises(ConfigError, match="cached_examples=0 .* is for zo.cache: prefix"):
+        load_config(None, ["federation.recipe=head", "federation.cached_examples=0"], schema=FederatedConfig)
     with pytest.raises(ConfigError, match="zo.cache"):
         load_config(None, ["zo.cache=everything"], schema=FederatedConfig)
 
@@ -91,8 +99,14 @@ def test_auto_caches_the_prefix_where_the_trainable_set_lies_above_the_lowest_bl
 
 
 def test_a_run_with_auto_counts_the_cached_passes_and_learns_what_the_uncached_run_learns(tiny_workspace, tmp_path):
-    runs = {cache: run_federated(tiny_federated_config(tiny_workspace, tmp_path / cache, "trainable.lora_layers=[-1]",
-                                                       f"zo.cache={cache}"), show_progress=False)
-            for cache in ("auto", "none")}
-    assert runs["auto"]["forward_passes"] < runs["none"]["forward_passes"]
-    assert runs["auto"]["test"]["loss"] == pytest.approx(runs["none"]["test"]["loss"], rel=1e-4)
+    def run(name: str, *overrides: str) -> dict:
+        return run_federated(tiny_federated_config(tiny_workspace, tmp_path / name, "trainable.lora_layers=[-1]",
+                                                   *overrides), show_progress=False)
+
+    runs = {"per_step": run("per_step", "zo.cache=auto", "federation.cached_examples=0"),
+            "none": run("none", "zo.cache=none"), "round": run("round", "zo.cache=auto")}
+    # the bottom captured each step: fewer passes counted, the same losses as the uncached run
+    assert runs["per_step"]["forward_passes"] < runs["none"]["forward_passes"]
+    assert runs["per_step"]["test"]["loss"] == pytest.approx(runs["none"]["test"]["loss"], rel=1e-4)
+    # auto's default, the round's prefixes: the bottom captured once a round, fewer passes still
+    assert runs["round"]["forward_passes"] < runs["per_step"]["forward_passes"]

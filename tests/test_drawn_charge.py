@@ -63,9 +63,11 @@ def four_blocks(tiny_workspace, tmp_path_factory):
 
 
 def _config(ws, model, out, *extra):
+    """Each step captures its own batch (cached_examples 0) unless `extra` says otherwise."""
     return tiny_federated_config(ws, out, f"model.name={model}", "trainable.mode=patterns",
                                  f"trainable.patterns=['{NORMS}']", "zo.cache=prefix", "zo.queries=2",
-                                 "federation.local_steps=6", "federation.rounds=3", *extra)
+                                 "federation.local_steps=6", "federation.rounds=3", "federation.cached_examples=0",
+                                 *extra)
 
 
 def test_zofed_charges_each_client_the_blocks_its_steps_ran(tiny_workspace, four_blocks, tmp_path):

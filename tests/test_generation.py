@@ -396,8 +396,9 @@ def test_showing_generation_reports_answers_while_open_and_then_lets_go():
 
 def test_a_federated_causal_lm_run_with_top_block_lora_and_the_prefix_cached_ends_as_without_it(instructions,
                                                                                                 tmp_path):
-    """LoRA on the top block only (trainable.lora_layers=[-1]) lets the frozen bottom run once per batch: the run
-    ends bit-identical to the uncached one and is charged (1 - f) + (q + 1) f passes a step (q = 2)."""
+    """LoRA on the top block only (trainable.lora_layers=[-1]) lets the frozen bottom run once per batch: with each
+    step capturing its own batch the run ends bit-identical to the uncached one and is charged (1 - f) + (q + 1) f
+    passes a step (q = 2)."""
     finals, passes = {}, {}
     for cached in (False, True):
         out = tmp_path / f"fed-{cached}"
@@ -405,7 +406,8 @@ def test_a_federated_causal_lm_run_with_top_block_lora_and_the_prefix_cached_end
                                     "trainable.lora_layers=[-1]", "zo.queries=2", "federation.clients_per_round=2",
                                     "federation.local_steps=2", "federation.partition.scheme=iid",
                                     "federation.partition.num_clients=4", "federation.rounds=2",
-                                    "task.generate_eval=0", f"zo.cache={'prefix' if cached else 'none'}"],
+                                    "task.generate_eval=0", f"zo.cache={'prefix' if cached else 'none'}",
+                                    *(["federation.cached_examples=0"] if cached else [])],
                              schema=FederatedConfig)
         passes[cached] = run_federated(config, show_progress=False)["forward_passes_per_client_round"]
         finals[cached] = load_file(str(out / "final" / "trainable.safetensors"))

@@ -92,7 +92,8 @@ def test_a_federated_run_trains_saves_and_reloads_the_head(tiny_workspace, tmp_p
 
     out = tmp_path / "head"
     config = tiny_federated_config(tiny_workspace, out, "trainable.mode=none", "trainable.label_head=true",
-                                   "zo.cache=prefix", "zo.queries=8", "optimizer.lr=0.5")
+                                   "zo.cache=prefix", "federation.cached_examples=0", "zo.queries=8",
+                                   "optimizer.lr=0.5")  # each step runs its own batch through the backbone
     results = run_federated(config, show_progress=False)
     assert results["forward_passes_per_client_round"] == 2 * 1.0  # 2 local steps, 8 queries each, 1 pass a step
     final = load_file(str(out / "final" / "trainable.safetensors"))

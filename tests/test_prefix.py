@@ -153,8 +153,9 @@ def test_the_cached_loss_with_only_the_final_norm_trainable_matches_too():
 
 def test_a_federated_and_a_centralized_run_with_the_cache_end_where_they_do_without_it(tiny_workspace, tmp_path):
     """The cached loss is the full loss (on this tiny model to the bit, the top block's last-token shortcut
-    included), so a run with `zo.cache: prefix` ends bit-identical to one without; it is
-    charged (1 - f) + 2 q f forward passes a step instead of 2 q (here f = 1/2: the top block of two)."""
+    included), so a run with `zo.cache: prefix`, each step capturing its own batch, ends bit-identical to one
+    without; it is charged (1 - f) + 2 q f forward passes a step instead of 2 q (here f = 1/2: the top block of
+    two)."""
     from safetensors.torch import load_file
     from toy_federation import tiny_federated_config
 
@@ -168,7 +169,8 @@ def test_a_federated_and_a_centralized_run_with_the_cache_end_where_they_do_with
     for cached in (False, True):
         out = tmp_path / f"fed-{cached}"
         results[cached] = run_federated(tiny_federated_config(tiny_workspace, out, *top,
-                                                              f"zo.cache={'prefix' if cached else 'none'}"),
+                                                              f"zo.cache={'prefix' if cached else 'none'}",
+                                                              *(["federation.cached_examples=0"] if cached else [])),
                                         show_progress=False)
         results[cached]["final"] = load_file(str(out / "final" / "trainable.safetensors"))
     assert all(torch.equal(results[False]["final"][k], results[True]["final"][k]) for k in results[True]["final"])

@@ -178,7 +178,7 @@ def test_a_federated_run_remembers_prefixes_is_charged_the_same_and_ends_within_
     memos, recording = _memo_recorder()
     options = ["trainable.mode=lora", "trainable.lora_r=2", "trainable.lora_layers=[7]", "zo.cache=prefix",
                "federation.rounds=4", "federation.local_steps=3", "federation.partition.num_clients=3",
-               "federation.clients_per_round=3", "zo.queries=2"]
+               "federation.clients_per_round=3", "zo.queries=2", "federation.cached_examples=0"]
     results, seconds = {}, {}
     for attempt, remember in enumerate((False, True) * 2):  # the first pair warms up; the second is timed
         monkeypatch.setattr(engine, "simulation_prefixes", recording if remember else lambda *args: None)

@@ -9,7 +9,7 @@
 - Steps on cached features (every block frozen, the label head trains): the body runs once a round over the
   cached examples, a pass per batch, and each step costs what it runs on the head: its passes (ZO: 2q central or
   q + 1 one-sided; first-order: a forward and a backward, 3) times the head's share.
-- Steps on a round's cached prefixes (zo.cache: prefix with federation.cached_examples; ZO only): the frozen
+- Steps on a round's cached prefixes (a ZO client whose model is split; federation.cached_examples): the frozen
   bottom runs once a round over the cached examples, its share of a pass per batch, and each step costs its
   perturbed passes over the top.
 - A ZO step whose perturbation moves only some of the trainable tensors (zofed's block sampling) runs its first

@@ -102,10 +102,11 @@ class FederationSection(_Section):
     # With zo.cache: features (prompt classification with every block frozen, e.g. the label head alone): a
     # client runs this many of its examples through the frozen model once a round (all of them when it has fewer,
     # charged as this many) and takes its local steps on their last hidden states, so a step costs the head alone
-    # and a round can hold many. None: train.batch_size (one pass a round). With zo.cache: prefix (ZO methods):
-    # the same for the blocks above a frozen bottom, each step running only them on the round's kept prefixes;
-    # None: every step captures its own batch.
-    cached_examples: int | None = Field(None, ge=1)
+    # and a round can hold many. None: train.batch_size (one pass a round). With a frozen bottom cached (zo.cache:
+    # prefix, or auto where it splits the model; ZO methods): the same for the blocks above it, each step running
+    # only them on the round's kept prefixes, so the bottom's compute is paid once a round, not once a step.
+    # None: train.batch_size; 0: every step captures its own batch.
+    cached_examples: int | None = Field(None, ge=0)
     # The precision of the clients' scalars on the wire: 16 sends each as float16 (2 bytes, about 3 significant
     # digits, saturating at 65504), so twice the steps fit the same uplink. Clients round each scalar before
     # their step uses it, so the server's replay stays exact.
@@ -318,29 +319,35 @@ class FederatedConfig(FinetuneConfig):
     @model_validator(mode="after")
     def _cached_features_need_a_head(self) -> FederatedConfig:
         fed = self.federation
-        if fed.cached_examples is not None and self.zo.cache not in ("features", "prefix"):
+        if fed.cached_examples is not None and self.zo.cache == "none":
             raise ValueError(f"federation.cached_examples={fed.cached_examples} counts the examples a client runs "
                              f"through its frozen part once a round with zo.cache: features (the label head) or "
-                             f"prefix (blocks above a frozen bottom); this run has zo.cache: {self.zo.cache} (leave "
-                             f"cached_examples unset, or set zo.cache)")
-        if fed.cached_examples is not None and self.zo.cache == "prefix" and get_method(fed.method).first_order:
-            raise ValueError(f"federation.cached_examples with zo.cache: prefix keeps a round's prefixes for ZO "
-                             f"steps; {fed.method} back-propagates through the top blocks on every batch (leave "
-                             f"cached_examples unset)")
+                             f"prefix (blocks above a frozen bottom; auto where it splits the model); this run has "
+                             f"zo.cache: {self.zo.cache} (leave cached_examples unset, or set zo.cache)")
+        if fed.cached_examples == 0 and self.zo.cache == "features":
+            raise ValueError("federation.cached_examples=0 (every step captures its own batch) is for zo.cache: "
+                             "prefix; with zo.cache: features every step draws from the round's cached rows")
+        if fed.cached_examples is not None and self.zo.cache != "features" and get_method(fed.method).first_order:
+            raise ValueError(f"federation.cached_examples with zo.cache: {self.zo.cache} keeps a round's prefixes "
+                             f"for ZO steps; {fed.method} back-propagates through the top blocks on every batch "
+                             f"(leave cached_examples unset)")
         if self.zo.cache == "features" and self.task.type != "prompt-classification":
             raise ValueError(f"zo.cache: features caches what a prompt classifier's head reads; task.type "
                              f"{self.task.type} has no such head (use zo.cache: prefix)")
         return self
 
-    def feature_cache(self) -> int:
+    def feature_cache(self, prefix_split: bool = False) -> int:
         """The examples a client runs through its frozen part once a round, then draws every step's batch from
-        (0: every step runs its own batch): with zo.cache: features (train.batch_size unless set), or prefix when
-        federation.cached_examples is set."""
+        (0: every step runs its own batch; train.batch_size unless federation.cached_examples says otherwise): with
+        zo.cache: features, and for a ZO method with a frozen bottom cached, zo.cache: prefix or, with auto, where
+        the setup split the model (`prefix_split`, which the config alone cannot know)."""
+        fed = self.federation
         if self.zo.cache == "features":
-            return self.federation.cached_examples or self.train.batch_size
-        if self.zo.cache == "prefix":
-            return self.federation.cached_examples or 0
-        return 0
+            return fed.cached_examples or self.train.batch_size
+        split = self.zo.cache == "prefix" or (self.zo.cache == "auto" and prefix_split)
+        if not split or get_method(fed.method).first_order:
+            return 0
+        return self.train.batch_size if fed.cached_examples is None else fed.cached_examples
 
     @model_validator(mode="after")
     def _no_centralized_only(self) -> FederatedConfig:
@@ -375,6 +382,7 @@ def federation_plan(config: FederatedConfig, num_clients: int, pass_fraction: fl
     (fl/cost.py). A first-order client runs the whole model (pass_fraction 1) unless it steps on cached features."""
     fed, sampling = config.federation, config.federation.sampling
     method = get_method(fed.method)
+    cache = config.feature_cache(prefix_split=pass_fraction < 1.0)
     settings: dict[str, Any] = {
         "method": method.round_method(sampling.personalize), "num_clients": num_clients,
         "clients_per_round": fed.clients_per_round, "local_steps": fed.local_steps,
@@ -383,11 +391,11 @@ def federation_plan(config: FederatedConfig, num_clients: int, pass_fraction: fl
         "noise": config.zo.noise, "pool_size": fed.pool_size,
         "sampling": BlockSampling(**sampling.model_dump(exclude={"personalize"})),
         "first_order_optimizer": fed.first_order_optimizer,
-        "pass_fraction": 1.0 if method.first_order and not config.feature_cache() else pass_fraction,
+        "pass_fraction": 1.0 if method.first_order and not cache else pass_fraction,
         "backward_fraction": backward_fraction, "head_fraction": head_fraction,
         "estimator": config.zo.resolved_estimator(fed.method),
         "optimizer": "mezo" if method.first_order else config.optimizer.name, "momentum": config.optimizer.momentum,
         "beta1": config.optimizer.beta1, "beta2": config.optimizer.beta2, "logit_adjust": fed.logit_adjust,
-        "feature_cache": config.feature_cache(), "scalar_bits": fed.scalar_bits,
+        "feature_cache": cache, "scalar_bits": fed.scalar_bits,
         "tensor_shares": () if method.first_order else tensor_shares}
     return FederationPlan(**settings)
