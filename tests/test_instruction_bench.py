@@ -65,7 +65,7 @@ def _tuned(row: str, lr: float, loss: float, factor: float = 1.0) -> dict:
 
 
 def test_tuning_chooses_each_rows_lowest_validation_loss_and_finals_need_it(tmp_path):
-    rows = [_tuned("zofed", 1e-2, 2.10), _tuned("zofed", 1e-2, 2.05, 10.0), _tuned("zofed", 1e-2, 2.30, 100.0),
+    rows = [_tuned("zofed", 1e-2, 2.10), _tuned("zofed", 1e-2, 2.05, 10.0), _tuned("zofed", 1e-2, 2.30, 0.1),
             _tuned("fedkseed", 1e-3, 2.11), _tuned("fedkseed", 1e-2, 2.12),
             {**_tuned("zofed", 1e-2, 1.0), "budget": 720}]
     assert protocol.chosen_points(rows, 360.0) == {"zofed": (1e-2, 10.0), "fedkseed": (1e-3, 1.0)}
@@ -76,8 +76,8 @@ def test_tuning_chooses_each_rows_lowest_validation_loss_and_finals_need_it(tmp_
     groups = report.settings(rows + finals)[(360.0, 160, 128, 64)]
     assert [r["test_rougeL"] for r in groups["zofed"]] == [0.33] and [r["lr"] for r in groups["fedkseed"]] == [1e-3]
     text = "\n".join(report.tuning_lines(rows[:-1]))
-    assert ("| zofed | lr 0.01: 2.1000 | **lr 0.01, server x10: 2.0500** | lr 0.01, server x30: not run | "
-            "lr 0.01, server x100: 2.3000 |" in text)
+    assert ("| zofed | lr 0.01, server x0.1: 2.3000 | lr 0.01, server x0.3: not run | lr 0.01: 2.1000 | "
+            "**lr 0.01, server x10: 2.0500** |" in text)
     assert "| fedkseed | lr 0.0001: not run | **lr 0.001: 2.1100** | lr 0.003: not run | lr 0.01: 2.1200 |" in text
     assert "Not tuned yet: zo-seeds, decomfl, fedavg-lora, zofed-top2-cached, zofed-start." in text
     # the targets judge zofed as it ships; its levers are priced by their tuning runs, and one that beats it on
@@ -175,7 +175,7 @@ def test_the_tuning_report_prices_each_chosen_points_descent_and_the_overshoot_a
     def run(row: str, lr: float, start: float, end: float, factor: float = 1.0) -> dict:
         return {**_tuned(row, lr, end, factor), "curve": [[0.0, 0, start], [360.0, 15, end]]}
 
-    rows = [run("zofed", 1e-2, 2.25, 2.24, 10.0), run("zofed", 1e-2, 2.25, 20.5, 100.0),
+    rows = [run("zofed", 1e-2, 2.25, 2.24), run("zofed", 1e-2, 2.25, 20.5, 10.0),
             run("fedkseed", 1e-3, 2.25, 2.245), run("fedkseed", 1e-4, 2.25, 2.2499),
             run("fedavg-lora", 1e-3, 2.25, 2.05)]
     text = "\n".join(report.tuning_lines(rows))
@@ -183,6 +183,6 @@ def test_the_tuning_report_prices_each_chosen_points_descent_and_the_overshoot_a
     # FedAvg's drop over the best ZO row's: 20 times, so 20 x 360 passes at that rate
     assert "largest drop (zofed) is 20 times smaller than FedAvg-LoRA's" in text and "about 7,200 passes" in text
     # only a point above the chosen one that ends over its start counts as a step too long
-    assert "a step too long: zofed at lr 0.01, server x100 (2.250 → 20.50)." in text and "fedkseed at" not in text
+    assert "a step too long: zofed at lr 0.01, server x10 (2.250 → 20.50)." in text and "fedkseed at" not in text
     # without curves (older rows) nothing is claimed
     assert "How far" not in "\n".join(report.tuning_lines([_tuned("zofed", 1e-2, 2.0)]))
