@@ -71,3 +71,16 @@ def test_an_averaged_run_checkpoints_its_average_replays_and_releases_another_mo
     with pytest.raises(ConfigError, match=r"federation.average_start \(2 -> 3\)"):
         run_federated(tiny_federated_config(tiny_workspace, tmp_path / "whole", "federation.rounds=6",
                                             "federation.average_from=0.5"), resume=True, show_progress=False)
+
+
+def test_a_finished_averaged_run_resumed_releases_and_tests_its_average_again(tiny_workspace, tmp_path):
+    """A resume that finds every round done runs none: it still releases the tail average, not the checkpoint's
+    last iterate, and its test is the first sitting's."""
+    avg = ("federation.rounds=4", "federation.average_from=0.5")
+    out = tmp_path / "run"
+    first = run_federated(tiny_federated_config(tiny_workspace, out, *avg), show_progress=False)
+    released = load_file(str(out / "final" / "trainable.safetensors"))
+    again = run_federated(tiny_federated_config(tiny_workspace, out, *avg), resume=True, show_progress=False)
+    assert again["test"] == first["test"]
+    final = load_file(str(out / "final" / "trainable.safetensors"))
+    assert all(torch.equal(released[k], final[k]) for k in released)

@@ -36,7 +36,7 @@ from zofed.data.prefix_memo import MEMO_CAP_BYTES, row_bytes, simulation_memo
 from zofed.data.tasks import Task
 from zofed.fl.aggregate import make_aggregator
 from zofed.fl.attacks import Attack
-from zofed.fl.client import ClientContext
+from zofed.fl.client import ClientContext, load_tensors_
 from zofed.fl.methods import get_method
 from zofed.fl.plan import FEDERATED_OPTIMIZERS, FederationPlan
 from zofed.fl.roles import ClientRole, Screen, ServerRole
@@ -205,8 +205,11 @@ class FederatedRun:
                 yield on_round
 
     def finish(self, seconds: float, **extra: Any) -> dict[str, Any]:
-        """Save the final tensors (the model must hold the global ones), test, and write results.json."""
+        """Load the model the run releases (the tail average once it began), save it, test, and write
+        results.json. The model is loaded here, not left to the rounds: a resumed run that had finished its rounds
+        runs none, and its checkpoint's last iterate is not what it released."""
         setup, config, fed = self.setup, self.config, self.config.federation
+        load_tensors_(setup.trainable.tensors(), self.server.model_tensors())
         save_final(setup, self.out)
         t0 = time.perf_counter()
         test = setup.task.evaluate(setup.model, setup.test, config.train.eval_batch_size, body=setup.body,
