@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo demo-centralized test lint bench-zo-step bench-centralized bench-scale bench-flower bench-client-memory bench-calibrate bench-ranking bench-instruction bench-robustness
+.PHONY: setup demo demo-centralized test lint bench-zo-step bench-centralized bench-scale bench-flower bench-client-memory bench-calibrate bench-ranking bench-instruction bench-recipe-ablation bench-robustness
 
 setup:
 	@bash scripts/setup_env.sh
@@ -50,6 +50,10 @@ bench-ranking: setup
 # validation loss, then the finals at the chosen points; ARGS e.g. --jobs 2 --threads 1
 bench-instruction: setup
 	$(PY) benchmarks/instruction.py --phase tune $(ARGS) && $(PY) benchmarks/instruction.py $(ARGS)
+
+# zofed's two components in the weights recipe on the demo's federation, 3 seeds (about an hour on one thread)
+bench-recipe-ablation: setup
+	$(PY) benchmarks/recipe_ablation.py
 
 # zofed's defenses against lying clients and the accuracy privacy costs (docs/security.md); ARGS as above
 bench-robustness: setup

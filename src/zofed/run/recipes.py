@@ -6,8 +6,9 @@ recipe**: the label head together with the model's own weights at the top (the n
 final norm, `trainable.top_norms`), trained on a round's cached prefixes. A client runs 8 of its examples through
 the frozen bottom once a round and takes all its steps on them, each perturbed pass running only the top block (at
 each example's last token) and the head; zofed's block sampling draws among the four tensors, and a step that
-perturbs the head or the final norm runs no block at all. The server keeps the head recipe's plain averaging (the
-adaptive server is not yet benchmarked on this set), so of zofed's two components only block sampling is active.
+perturbs the head or the final norm runs no block at all. The server keeps the head recipe's plain averaging: zofed's
+adaptive server, at its default lr, ended behind it here (docs/results/recipe_ablation.md), so of zofed's two
+components only block sampling is active.
 The **head recipe** (`recipe: head`) is the label head alone on cached features, a linear probe on the frozen body:
 there neither component is active (one block, plain averaging: docs/method.md), so the run is zo-seeds with
 one-sided queries; docs/results/ranking.md ranks it against the baselines and first-order FedAvg on the same head.
