@@ -56,8 +56,9 @@ ROW_OPTIONS: dict[str, list[str]] = {
 Point = tuple[float, float]
 CLIENT_LR_GRID = [(1e-4, 1.0), (1e-3, 1.0), (3e-3, 1.0), (1e-2, 1.0)]  # the plain ZO rows' MeZO lr, FedAvg's AdamW lr
 # zofed's: its adam server sets the step. Since the relative step's floor is fixed at the start (182be93) every
-# LoRA B steps at its A's scale: at x10 zofed's validation loss went to 12.17 and at x1 it ended above its start
-# (2.470 against 2.3535), so the grid first run, x1 to x100, is shifted down two points to bracket a step that learns
+# LoRA B steps at its A's scale: rerun, zofed diverged at x10 (validation loss 12.17) while its curve subset's loss
+# stayed flat at x1 (2.404 -> 2.403), so the grid first run, x1 to x100, is shifted down two points: x10 bounds it
+# above, x0.1 and x0.3 below
 SERVER_LR_GRID = [(1e-2, 0.1), (1e-2, 0.3), (1e-2, 1.0), (1e-2, 10.0)]
 # zofed-start moves every B its draws reach, not the 4 to 6 plain zofed moved: on the server grid x30 diverged
 # (validation loss 13.99) and its best point was the lowest, x1 (2.3510 against 2.3537 at x10), so its grid is the
