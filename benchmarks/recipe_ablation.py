@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,7 @@ import torch
 from zofed.atomic_files import write_atomic_text
 from zofed.run.checkpoint import find_checkpoint
 from zofed.run.config import load_config
-from zofed.run.federated import run_federated
+from zofed.run.federated import plan_passes, prepare_run, run_federated
 from zofed.run.federated_config import FederatedConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,13 +67,11 @@ def equal_compute_rounds(zofed_rows: list[dict], per_round: float) -> int:
 
 
 def dense_round_cost() -> float:
-    """The charge of one round of the no-sampling variant (every step dense: its plan's cost, 3 clients)."""
-    config = load_config(DEMO, VARIANTS["no-sampling"], schema=FederatedConfig)
-    out = RUNS / "no-sampling-cost"
-    results = run_federated(config.model_copy(update={
-        "out_dir": str(out), "federation": config.federation.model_copy(update={"rounds": 1})}),
-        resume=find_checkpoint(out / "checkpoint") is not None, show_progress=False)
-    return results["forward_passes"]
+    """The charge of one round of the no-sampling variant: every step dense, so every client its plan's cost
+    (`plan_passes` of the run as prepared; no round runs)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        config = load_config(DEMO, [*VARIANTS["no-sampling"], f"out_dir={Path(tmp) / 'run'}"], schema=FederatedConfig)
+        return plan_passes(prepare_run(config).server)
 
 
 def paired(rows: list[dict], variant: str) -> tuple[float, float]:
