@@ -1,13 +1,14 @@
 """A step that moves some trainable tensors is charged what it runs (fl/cost.py): its first pass from the lowest
-trainable block, its other passes from the block of the lowest tensor it moved. zofed's server charges each
-client from its draws, and the blocks its clients really run are those charged."""
+block changed since the last pass (the lowest trainable block when its batch is new), its other passes from the block
+of the lowest tensor it moved. zofed's server charges each client from its draws, and the blocks its clients really
+run are those charged."""
 
 from dataclasses import replace
 
 import pytest
 from toy_federation import tiny_federated_config
 
-from zofed.fl.cost import round_passes, step_passes
+from zofed.fl.cost import carries_outputs, round_passes, step_passes
 from zofed.fl.plan import LocalTraining
 from zofed.models.tiny import tiny_causal_lm
 from zofed.run.federated import prepare_run, run_federated
@@ -46,10 +47,30 @@ def test_a_step_runs_one_pass_from_the_lowest_block_and_the_others_from_the_move
     assert step_passes(fresh, False) == 0.5 + 9 * 0.5
     whole = replace(fresh, pass_fraction=1.0)  # nothing cached (zo.cache: none): every pass whole
     assert step_passes(whole, False, 0.25) == step_passes(whole, False) == 9
-    assert round_passes(cached, False, [0.5, 0.25, 0.001]) == pytest.approx(
-        1 * 0.5 + 9 * 0.5 + (0.5 + 8 * 0.25) + (0.5 + 8 * 0.001))
+    # 16 cached examples in batches of 8: each step's batch is new, its first pass from the lowest trainable block
+    drawn = replace(cached, feature_cache=16)
+    assert round_passes(drawn, False, [0.5, 0.25, 0.001]) == pytest.approx(
+        2 * 0.5 + 9 * 0.5 + (0.5 + 8 * 0.25) + (0.5 + 8 * 0.001))
     with pytest.raises(ValueError, match="2 step shares for a round of 3 local steps"):
         round_passes(cached, False, [0.5, 0.25])
+
+
+def test_steps_on_one_batch_rerun_only_the_blocks_changed_since_the_last_pass():
+    """With every step on the round's whole cached batch, the outputs carry: a one-sided step's centre pass runs from
+    what the previous step moved, a central step's first pass from the lower of that and what it perturbs."""
+    cached = _local(pass_fraction=0.5, feature_cache=8, batch_size=8)
+    assert carries_outputs(cached)
+    assert round_passes(cached, False, [0.5, 0.25, 0.001]) == pytest.approx(
+        1 * 0.5 + (0.5 + 8 * 0.5) + (0.5 + 8 * 0.25) + (0.25 + 8 * 0.001))
+    central = replace(cached, estimator="central", queries=1, local_steps=4)
+    assert round_passes(central, False, [0.25, 0.001, 0.5, 0.25]) == pytest.approx(
+        0.5 + (0.5 + 0.25) + (0.25 + 0.001) + (0.5 + 0.5) + (0.5 + 0.25))
+    dense = round_passes(central, False, None)
+    assert dense == round_passes(central, False, [0.5] * 4) == pytest.approx(0.5 + 4 * 2 * 0.5)
+    # outputs do not carry where a step's batch is new, an optimizer with state moves every tensor, or a tilt does
+    for other in (replace(cached, feature_cache=16), replace(cached, optimizer="zo-sgd-momentum"),
+                  replace(cached, tilt=0.5), replace(cached, feature_cache=0), replace(cached, pass_fraction=1.0)):
+        assert not carries_outputs(other)
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +130,9 @@ def test_a_dense_method_is_charged_its_plan(tiny_workspace, four_blocks, tmp_pat
     assert results["forward_passes_per_client_round"] == pytest.approx(6 * (0.5 + 4 * 0.5))
 
 
-def test_on_a_round_s_cached_prefixes_the_charge_never_undercounts_what_runs(tiny_workspace, four_blocks, tmp_path):
+def test_on_a_round_s_cached_prefixes_the_charge_is_what_runs(tiny_workspace, four_blocks, tmp_path):
     """With federation.cached_examples the frozen bottom runs once a round, and with a step batch as large as the
-    cached examples the blocks' outputs carry from step to step: the blocks run are at most those charged."""
+    cached examples the blocks' outputs carry from step to step: the blocks run are those charged."""
     run = prepare_run(_config(tiny_workspace, four_blocks, tmp_path / "cached", "federation.cached_examples=8",
                               "zo.queries=4"))
     server, layers = run.server, run.setup.model.model.layers
@@ -124,5 +145,9 @@ def test_on_a_round_s_cached_prefixes_the_charge_never_undercounts_what_runs(tin
     charged = sum(r["forward_passes_per_client"] * len(r["clients"]) for r in history)
     # the bottom half once a round over the 8 cached examples, one batch of 8; the rest in the top blocks
     top_charged = 4 * charged - 2 * client_rounds
-    assert 0 < calls[2] + calls[3] <= top_charged
+    assert carries_outputs(server.round_plan(0))
+    # a step on the final norm is charged the label head's share and runs no block
+    passes = 3 * 2 * 6 * 5  # client rounds x steps x (4 queries and the centre)
+    head = 4 * head_fraction(run.setup.model.model, 3)
+    assert calls[2] + calls[3] == pytest.approx(top_charged, abs=passes * head)
     assert charged < client_rounds * server.method.forward_passes(server.round_plan(0))

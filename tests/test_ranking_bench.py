@@ -144,7 +144,8 @@ def test_the_cached_feature_rows_share_the_feature_store_and_the_others_do_not(t
     # zo-seeds as published runs every step's batch through the whole model, and LoRA trains the blocks
     assert not remembers("head", "zo-seeds-plain") and not remembers("head", "fedavg-lora")
     assert not remembers("top4", "zofed")
-    monkeypatch.delenv("ZOFED_FEATURE_STORE", raising=False)
+    monkeypatch.setenv("ZOFED_FEATURE_STORE", "")  # recorded, so the store it sets goes when the test ends
+    monkeypatch.delenv("ZOFED_FEATURE_STORE")
     use_feature_store()
     assert Path(os.environ["ZOFED_FEATURE_STORE"]) == FEATURE_STORE
 

@@ -17,6 +17,10 @@
   `tensor_pass_shares` gives that tensor): the blocks below it give what they gave the first pass. A step that
   moves every trainable tensor is charged as before. The server knows each step's drawn tensors from the seeds
   and the distribution it sent, so it charges every client what its draws ran (`Method.client_passes`).
+- Where a client's steps carry the top blocks' outputs from step to step (`carries_outputs`: every step runs the
+  round's whole cached batch and moves only the tensors it perturbed), a step's first pass reruns only the blocks
+  from the lowest one changed since the last pass: the block the previous step moved (the lowest trainable block
+  at a round's first step) or, for the central estimate, the block this step perturbs, whichever lies lower.
 
 benchmarks/cost_model.py times each kind of step against a full forward pass and writes the measured ratios
 beside these (docs/results/cost_model.md).
@@ -44,28 +48,48 @@ def head_step(head_fraction: float, first_order: bool, queries: int, estimator: 
     return passes * head_fraction
 
 
-def step_passes(local: LocalTraining, first_order: bool, share: float | None = None) -> float:
+def carries_outputs(local: LocalTraining) -> bool:
+    """Whether a client's steps keep the top blocks' outputs from one step to the next (`RoundPrefixes.step_loss`):
+    ZO steps on a round's cached prefixes whose batch is all the round's examples, each moving only the tensors it
+    perturbed (MeZO's update lies along its perturbation; a tilt or a stateful optimizer moves every tensor)."""
+    return (local.feature_cache > 0 and 0.0 < local.pass_fraction < 1.0 and local.batch_size >= local.feature_cache
+            and local.optimizer == "mezo" and not local.tilt)
+
+
+def step_passes(local: LocalTraining, first_order: bool, share: float | None = None,
+                previous: float | None = None) -> float:
     """One local step's compute in full forward passes (without the round's pass over cached features); `share`:
-    the share of a pass from the lowest tensor the step moved up (None: every trainable tensor moved)."""
+    the share of a pass from the lowest tensor the step moved up (None: every trainable tensor moved); `previous`:
+    where the steps carry their outputs (`carries_outputs`), the share the step before moved (None: its first pass
+    runs from the lowest trainable block)."""
     if local.feature_cache and local.pass_fraction == 0.0:  # every block frozen: the steps run the head
         return head_step(local.head_fraction, first_order, local.queries, local.estimator)
     if local.feature_cache:
         if first_order:
             raise ValueError("a round's cached prefixes serve ZO steps; a first-order step runs its own batch")
-        return _zo_step(local, share, bottom=0.0)
+        return _zo_step(local, share, bottom=0.0, previous=previous)
     if first_order:
         return first_order_step(local.backward_fraction)
     return _zo_step(local, share, bottom=1.0 - local.pass_fraction)
 
 
-def _zo_step(local: LocalTraining, share: float | None, bottom: float) -> float:
-    """The frozen bottom's share when each step runs it (`bottom`), one pass from the lowest trainable block, the
-    other passes from the moved tensor's block (whole passes when nothing is cached: pass_fraction 1)."""
-    top, passes = local.pass_fraction, zo_passes(local.queries, local.estimator)
-    moved = top if share is None or top >= 1.0 else min(share, top)
-    if moved == top:  # every pass from the lowest trainable block (`forward_equivalents`)
-        return bottom + passes * top
-    return bottom + top + (passes - 1) * moved
+def _moved(local: LocalTraining, share: float | None) -> float:
+    """The share of a pass from the lowest tensor a step moved (the whole top when it moved every tensor)."""
+    top = local.pass_fraction
+    return top if share is None or top >= 1.0 else min(share, top)
+
+
+def _zo_step(local: LocalTraining, share: float | None, bottom: float, previous: float | None = None) -> float:
+    """The frozen bottom's share when each step runs it (`bottom`), one pass from the lowest block changed since the
+    last pass, the other passes from the moved tensor's block (whole passes when nothing is cached: pass_fraction
+    1). Without carried outputs (`previous` None) the first pass runs from the lowest trainable block; with them
+    the centre pass of the one-sided estimate runs from what the previous step moved, and the first perturbed pass
+    of the central one from the lower of that and what this step moves."""
+    top, passes, moved = local.pass_fraction, zo_passes(local.queries, local.estimator), _moved(local, share)
+    if previous is None:  # a new batch: from the lowest trainable block
+        previous = top
+    first = previous if local.estimator == "forward" else max(previous, moved)
+    return bottom + first + (passes - 1) * moved
 
 
 def round_passes(local: LocalTraining, first_order: bool, shares: Sequence[float] | None = None) -> float:
@@ -77,4 +101,10 @@ def round_passes(local: LocalTraining, first_order: bool, shares: Sequence[float
         return body + local.local_steps * step_passes(local, first_order)
     if len(shares) != local.local_steps:
         raise ValueError(f"{len(shares)} step shares for a round of {local.local_steps} local steps")
-    return body + sum(step_passes(local, first_order, s) for s in shares)
+    if first_order or not carries_outputs(local):
+        return body + sum(step_passes(local, first_order, s) for s in shares)
+    total, previous = body, local.pass_fraction  # a round's first step finds no outputs kept
+    for share in shares:
+        total += step_passes(local, False, share, previous)
+        previous = _moved(local, share)
+    return total
