@@ -5,6 +5,7 @@ run are those charged."""
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from toy_federation import tiny_federated_config
 
@@ -151,3 +152,22 @@ def test_on_a_round_s_cached_prefixes_the_charge_is_what_runs(tiny_workspace, fo
     head = 4 * head_fraction(run.setup.model.model, 3)
     assert calls[2] + calls[3] == pytest.approx(top_charged, abs=passes * head)
     assert charged < client_rounds * server.method.forward_passes(server.round_plan(0))
+
+
+def test_cost_aware_sampling_draws_the_cheap_blocks_more_and_is_charged_less(tiny_workspace, four_blocks, tmp_path):
+    """federation.sampling.cost_aware: each client's pi leans to the blocks whose steps run fewer blocks (the final
+    norm's run none), so the same rounds cost its clients less."""
+    charges, sent = {}, {}
+    for aware in (False, True):
+        run = prepare_run(_config(tiny_workspace, four_blocks, tmp_path / f"aware-{aware}",
+                                  "federation.cached_examples=8", f"federation.sampling.cost_aware={aware}"))
+        history = simulate(run.client_context(), [s.train for s in run.splits], run.server, 3,
+                           client=run.client_role()).history
+        charges[aware] = history[-1]["forward_passes"]
+        state = run.server.method_state
+        sent[aware] = run.server.method.server_state(run.server, run.server.round_plan(3), 0)[:len(state.sizes)]
+        shares = state.shares
+    cheapest = int(np.argmin(shares))  # the top block's norms: a step on them runs one block of the two
+    assert sent[True][cheapest] > sent[False][cheapest]
+    assert sent[True] @ shares < sent[False] @ shares  # a draw's expected share of a pass
+    assert charges[True] < charges[False]  # and the three rounds' charge (41.0 against 41.5 passes)

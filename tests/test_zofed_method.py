@@ -89,6 +89,26 @@ def test_distribution_follows_each_clients_own_block_energies():
             check_distribution(bad, 4)
 
 
+def test_a_cost_aware_distribution_weighs_each_block_by_its_energy_over_its_cost():
+    """sqrt(n_b E_b / c_b): of blocks with the same energy, one 16 times cheaper is drawn 4 times as often (before
+    the size-proportional share is mixed in), the pi that minimizes variance times the expected cost of a step."""
+    sizes, costs = np.array([100.0, 100.0, 100.0]), np.array([0.16, 0.04, 0.01])
+    stats = BlockStats.zeros(1, 3)
+    for _ in range(50):
+        stats.record(0, [0, 1, 2], [4.0, 1.0, 1.0])
+    plain, aware = BlockSampling(mix=1e-6), BlockSampling(mix=1e-6, cost_aware=True)
+    energy_only = client_distribution(stats, 0, sizes, plain, costs)  # costs ignored unless asked for
+    assert energy_only[0] == pytest.approx(2 * energy_only[1], rel=0.05) and energy_only[1] == pytest.approx(
+        energy_only[2], rel=1e-4)
+    pi = client_distribution(stats, 0, sizes, aware, costs)
+    assert pi[2] == pytest.approx(2 * pi[1], rel=1e-4) and pi[1] == pytest.approx(pi[0], rel=0.05)
+    # no costs known (every step runs the whole model): the energies alone
+    assert np.array_equal(client_distribution(stats, 0, sizes, aware, None), energy_only)
+    energy = np.array([4.0, 1.0, 1.0])  # variance x cost is least at the cost-aware pi among the two
+    assert (sizes * energy / pi).sum() * (pi * costs).sum() < (sizes * energy / energy_only).sum() * (
+        energy_only * costs).sum()
+
+
 def test_server_rebuilds_a_personalized_clients_update_exactly_and_learns_its_blocks():
     ctx = toy_context()
     plan = FederationPlan("zofed", 6, 2, 4, lr=1e-2, eps=1e-2, run_seed=3, batch_size=8)

@@ -48,6 +48,7 @@ class BlockSampling:
     tilt: float = 0.0  # lean of each direction towards the server's first moment (0: off)
     blocks: int = 0  # how many blocks the trainable tensors are cut into (0: one block per tensor)
     shared_seeds: bool = False  # the round's clients share step seeds: one draw picks the same block for like pis
+    cost_aware: bool = False  # divide each block's weight by the square root of its share of a pass (its cost)
 
     def __post_init__(self) -> None:
         if not 0 < self.mix <= 1:
@@ -179,13 +180,18 @@ def expected_update_square(energy: np.ndarray, sizes: np.ndarray, numels: np.nda
     return (total * energy)[layout] * sizes / numels
 
 
-def client_distribution(stats: BlockStats, client_id: int, sizes: np.ndarray,
-                        settings: BlockSampling) -> np.ndarray:
+def client_distribution(stats: BlockStats, client_id: int, sizes: np.ndarray, settings: BlockSampling,
+                        costs: np.ndarray | None = None) -> np.ndarray:
     """pi for one client: its own energies shrunk to the global ones, then the variance-optimal shape
-    sqrt(n_b E_b), mixed with the size-proportional distribution. float32, as it travels on the wire."""
+    sqrt(n_b E_b), mixed with the size-proportional distribution. float32, as it travels on the wire.
+    With `settings.cost_aware` and each block's cost (its share of a pass, `costs`) the shape is sqrt(n_b E_b /
+    c_b), which minimizes the estimate's variance times the expected cost of a step: (sum_b n_b E_b / pi_b) x
+    (sum_b pi_b c_b) is least there (Cauchy-Schwarz)."""
     w = settings.prior_weight
     energy = (w * global_energy(stats, sizes, settings) + stats.client_sums[client_id]) \
         / (w + stats.client_counts[client_id])
+    if settings.cost_aware and costs is not None:
+        energy = energy / costs
     shape = np.sqrt(sizes * np.maximum(energy, 0.0))
     if not np.isfinite(shape).all() or shape.sum() <= 0:
         shape = sizes.copy()

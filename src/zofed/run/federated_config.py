@@ -80,6 +80,9 @@ class SamplingSection(_Section):
     tilt: float = Field(0.0, ge=0)  # ZO-AdaMU-style lean towards the server's first moment (needs adam/yogi/amsgrad)
     blocks: int = Field(0, ge=0)  # blocks the trainable tensors are cut into, contiguous in model order (0: per tensor)
     shared_seeds: bool = False  # the round's clients share step seeds (DeComFL-style), each drawing from its own pi
+    # pi_b proportional to sqrt(n_b E_b / c_b), c_b the block's share of a pass: the least variance per pass where a
+    # step's cost depends on its block (a cached prefix); no effect where every step runs the whole model
+    cost_aware: bool = False
 
 
 class FederationSection(_Section):

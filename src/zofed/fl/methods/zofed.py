@@ -163,7 +163,7 @@ class Zofed(Method):
     def server_state(self, server: ServerView, local: LocalTraining, client_id: int) -> np.ndarray:
         """The client's pi (and, with a tilt, the server's first moment after it)."""
         state: BlockState = server.method_state
-        pi = client_distribution(state.stats, client_id, state.sizes, server.plan.sampling)
+        pi = client_distribution(state.stats, client_id, state.sizes, server.plan.sampling, state.shares)
         if not local.tilt:
             return pi
         return np.concatenate([pi, torch.cat(server.opt_state.buffers["m"]).cpu().numpy().astype(np.float32)])
