@@ -101,10 +101,9 @@ def round_passes(local: LocalTraining, first_order: bool, shares: Sequence[float
         return body + local.local_steps * step_passes(local, first_order)
     if len(shares) != local.local_steps:
         raise ValueError(f"{len(shares)} step shares for a round of {local.local_steps} local steps")
-    if first_order or not carries_outputs(local):
-        return body + sum(step_passes(local, first_order, s) for s in shares)
-    total, previous = body, local.pass_fraction  # a round's first step finds no outputs kept
+    carried = not first_order and carries_outputs(local)
+    total, previous = body, None  # a round's first step finds no outputs kept
     for share in shares:
-        total += step_passes(local, False, share, previous)
-        previous = _moved(local, share)
+        total += step_passes(local, first_order, share, previous)
+        previous = _moved(local, share) if carried else None
     return total
