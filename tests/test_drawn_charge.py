@@ -68,9 +68,10 @@ def test_steps_on_one_batch_rerun_only_the_blocks_changed_since_the_last_pass():
         0.5 + (0.5 + 0.25) + (0.25 + 0.001) + (0.5 + 0.5) + (0.5 + 0.25))
     dense = round_passes(central, False, None)
     assert dense == round_passes(central, False, [0.5] * 4) == pytest.approx(0.5 + 4 * 2 * 0.5)
-    # outputs do not carry where a step's batch is new, an optimizer with state moves every tensor, or a tilt does
+    assert carries_outputs(replace(cached, tilt=0.5))  # the tilt leans within the drawn block
+    # outputs do not carry where a step's batch is new or an optimizer with state moves every tensor
     for other in (replace(cached, feature_cache=16), replace(cached, optimizer="zo-sgd-momentum"),
-                  replace(cached, tilt=0.5), replace(cached, feature_cache=0), replace(cached, pass_fraction=1.0)):
+                  replace(cached, feature_cache=0), replace(cached, pass_fraction=1.0)):
         assert not carries_outputs(other)
 
 
@@ -131,11 +132,13 @@ def test_a_dense_method_is_charged_its_plan(tiny_workspace, four_blocks, tmp_pat
     assert results["forward_passes_per_client_round"] == pytest.approx(6 * (0.5 + 4 * 0.5))
 
 
-def test_on_a_round_s_cached_prefixes_the_charge_is_what_runs(tiny_workspace, four_blocks, tmp_path):
+@pytest.mark.parametrize("tilt", [0.0, 0.5])
+def test_on_a_round_s_cached_prefixes_the_charge_is_what_runs(tiny_workspace, four_blocks, tmp_path, tilt):
     """With federation.cached_examples the frozen bottom runs once a round, and with a step batch as large as the
-    cached examples the blocks' outputs carry from step to step: the blocks run are those charged."""
+    cached examples the blocks' outputs carry from step to step: the blocks run are those charged. A tilt towards
+    the server's momentum leans within the drawn block, so it changes nothing of that."""
     run = prepare_run(_config(tiny_workspace, four_blocks, tmp_path / "cached", "federation.cached_examples=8",
-                              "zo.queries=4"))
+                              "zo.queries=4", f"federation.sampling.tilt={tilt}"))
     server, layers = run.server, run.setup.model.model.layers
     calls = [0] * len(layers)
     for i, layer in enumerate(layers):

@@ -51,9 +51,10 @@ def head_step(head_fraction: float, first_order: bool, queries: int, estimator: 
 def carries_outputs(local: LocalTraining) -> bool:
     """Whether a client's steps keep the top blocks' outputs from one step to the next (`RoundPrefixes.step_loss`):
     ZO steps on a round's cached prefixes whose batch is all the round's examples, each moving only the tensors it
-    perturbed (MeZO's update lies along its perturbation; a tilt or a stateful optimizer moves every tensor)."""
+    perturbed (MeZO's update lies along its perturbation, a tilted one too: the tilt leans within the drawn block;
+    a stateful optimizer moves every tensor)."""
     return (local.feature_cache > 0 and 0.0 < local.pass_fraction < 1.0 and local.batch_size >= local.feature_cache
-            and local.optimizer == "mezo" and not local.tilt)
+            and local.optimizer == "mezo")
 
 
 def step_passes(local: LocalTraining, first_order: bool, share: float | None = None,

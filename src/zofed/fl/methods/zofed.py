@@ -147,15 +147,15 @@ class Zofed(Method):
                           block_shares(server.plan.tensor_shares, layout))
 
     def least_passes(self, local: LocalTraining, tensor_shares: Sequence[float]) -> float:
-        if local.tilt or not tensor_shares:
+        if not tensor_shares:
             return self.forward_passes(local)
         return round_passes(local, False, [min(tensor_shares)] * local.local_steps)
 
     def client_passes(self, server: ServerView, local: LocalTraining, client_id: int, sent: np.ndarray | None
                       ) -> float:
-        """Each step charged from the lowest tensor of the block it drew (a tilted step moves every tensor)."""
+        """Each step charged from the lowest tensor of the block it drew (a tilt leans within that block too)."""
         state: BlockState = server.method_state
-        if state.shares is None or local.tilt or sent is None:
+        if state.shares is None or sent is None:
             return self.forward_passes(local)
         blocks = draw_blocks(self.step_seeds(local, client_id).seeds, sent[:len(state.sizes)])
         return round_passes(local, False, state.shares[blocks].tolist())
