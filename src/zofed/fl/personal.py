@@ -49,6 +49,7 @@ class BlockSampling:
     blocks: int = 0  # how many blocks the trainable tensors are cut into (0: one block per tensor)
     shared_seeds: bool = False  # the round's clients share step seeds: one draw picks the same block for like pis
     cost_aware: bool = False  # divide each block's weight by the square root of its share of a pass (its cost)
+    precondition: bool = False  # shape each block's noise by the federation's second moment (block_precondition.py)
 
     def __post_init__(self) -> None:
         if not 0 < self.mix <= 1:
@@ -271,13 +272,15 @@ def draw_block(step_seed: int, pi: np.ndarray) -> int:
 
 def block_perturbation(block: int, pi: np.ndarray, kind: str = "rademacher",
                        masks: Sequence[torch.Tensor | None] | None = None,
-                       tilt: MomentumTilt | None = None, layout: np.ndarray | None = None) -> Perturbation:
-    """The perturbation of a step that drew `block`: that block's noise scaled by 1/sqrt(pi_b), every other
-    block left alone. `layout` maps each tensor to its block (None: one block per tensor)."""
+                       tilt: MomentumTilt | None = None, layout: np.ndarray | None = None,
+                       precondition: Sequence[torch.Tensor] | None = None) -> Perturbation:
+    """The perturbation of a step that drew `block`: that block's noise scaled by 1/sqrt(pi_b) (and per coordinate
+    by `precondition`, flat per tensor), every other block left alone. `layout` maps each tensor to its block (None:
+    one block per tensor)."""
     layout = np.arange(len(pi)) if layout is None else layout
     scale = float(1.0 / np.sqrt(np.float64(pi[block])))
     scales = np.where(layout == block, scale, 0.0)  # an array: the aggregator pools it without a copy
-    pert = Perturbation(kind=kind, scales=scales, masks=masks)
+    pert = Perturbation(kind=kind, scales=scales, masks=masks, precondition=precondition)
     if tilt is not None and tilt.weight != 0.0:
         pert = replace(pert, momentum=tilt.buffers, momentum_weight=tilt.weight, momentum_rms=tilt.rms())
     return pert

@@ -35,6 +35,7 @@ class LocalTraining:
     tilt: float = 0.0  # zofed: lean towards the server's first moment (sent with the downlink)
     blocks: int = 0  # zofed: how many blocks the trainable tensors are cut into (0: one per tensor)
     shared_seeds: int = 0  # zofed: 1 when the round's clients share their step seeds
+    precondition: int = 0  # zofed: 1 when each block's noise is shaped by the second moment sent with the downlink
     pass_fraction: float = 1.0  # share of the model's blocks a perturbed pass runs (below 1: prefix caching)
     # shares of a full pass the client's compute is counted with (fl/cost.py): back-propagation's, from the lowest
     # trainable tensor to the output, and the label head's, which a step on cached features runs

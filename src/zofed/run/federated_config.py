@@ -83,6 +83,9 @@ class SamplingSection(_Section):
     # pi_b proportional to sqrt(n_b E_b / c_b), c_b the block's share of a pass: the least variance per pass where a
     # step's cost depends on its block (a cached prefix); no effect where every step runs the whole model
     cost_aware: bool = False
+    # each block's noise shaped per coordinate by the federation's second moment of the update, sent down each round
+    # (fl/block_precondition.py): outlier coordinates probed less
+    precondition: bool = False
 
 
 class FederationSection(_Section):

@@ -2,10 +2,10 @@
 and the server applies adaptive momentum to the rebuilt update, one second moment for the whole update (its
 default server optimizer).
 
-The downlink carries the client's block distribution pi (and, with a tilt, the server's first moment); every
-step's perturbation is a function of its seed and that state, so the server rebuilds exactly what the client
-did. The squared scalars the clients upload are the server's probes of each block's gradient energy, from which
-it fits every client's next pi (`observe`).
+The downlink carries the client's block distribution pi (then, with `sampling.precondition`, the round's noise
+shape p, and with a tilt the server's first moment); every step's perturbation is a function of its seed and that
+state, so the server rebuilds exactly what the client did. The squared scalars the clients upload are the
+server's probes of each block's gradient energy, from which it fits every client's next pi (`observe`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from zofed import streams
+from zofed.fl.block_precondition import BlockPreconditioner, split_precondition
 from zofed.fl.cost import round_passes
 from zofed.fl.methods.base import Method, ServerDefault, ServerView, StepSeeds, private_seeds
 from zofed.fl.personal import (
@@ -55,12 +56,33 @@ class BlockState:
     # each block's share of a full pass from its lowest tensor up: what a step drawing it is charged with
     # (fl/cost.py); None when the plan has no tensor shares (every step charged the whole trainable part)
     shares: np.ndarray | None = None
+    precondition: BlockPreconditioner | None = None  # the noise shape's second moment (sampling.precondition)
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
-        return self.stats.to_tensors()
+        extra = self.precondition.to_tensors() if self.precondition is not None else {}
+        return {**self.stats.to_tensors(), **extra}
 
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         self.stats = BlockStats.from_tensors(tensors)
+        if self.precondition is not None:
+            self.precondition.load_tensors(tensors)
+
+
+def split_state(server_state: np.ndarray, local: LocalTraining, like: Sequence[torch.Tensor], num_blocks: int
+                ) -> tuple[np.ndarray, list[torch.Tensor] | None, np.ndarray | None]:
+    """A zofed downlink's state as (pi, the noise shape p per tensor or None, the tilt's momentum or None), its
+    length checked against what the round plan says it holds."""
+    numel = sum(t.numel() for t in like)
+    expected = num_blocks + numel * (bool(local.precondition) + bool(local.tilt))
+    if server_state.shape != (expected,):
+        raise ValueError(f"a zofed downlink for this round carries {expected} values (pi over {num_blocks} blocks"
+                         f"{', the noise shape' if local.precondition else ''}{', the momentum' if local.tilt else ''}"
+                         f"), got {server_state.size}")
+    pi, rest = server_state[:num_blocks], server_state[num_blocks:]
+    check_distribution(pi, num_blocks)
+    shape = split_precondition(rest[:numel], like) if local.precondition else None
+    momentum = rest[numel:] if local.precondition else rest
+    return pi, shape, momentum if local.tilt else None
 
 
 def block_probes(update: ClientUpdate, pi: np.ndarray) -> tuple[list[int], list[float]]:
@@ -107,7 +129,8 @@ class Zofed(Method):
         return self.name if personalize else "zo-seeds"  # without personalization every step is dense
 
     def round_plan(self, local: LocalTraining, sampling: BlockSampling) -> LocalTraining:
-        return replace(local, tilt=sampling.tilt, blocks=sampling.blocks, shared_seeds=int(sampling.shared_seeds))
+        return replace(local, tilt=sampling.tilt, blocks=sampling.blocks, shared_seeds=int(sampling.shared_seeds),
+                       precondition=int(sampling.precondition))
 
     def shares_seeds(self, shared_seeds_setting: bool) -> bool:
         return shared_seeds_setting
@@ -119,11 +142,9 @@ class Zofed(Method):
                       masks: Sequence[torch.Tensor | None] | None, seeds: Sequence[int],
                       server_state: np.ndarray) -> list[Perturbation]:
         layout = tensor_blocks(like, local.blocks)
-        num_blocks = int(layout.max()) + 1
-        pi = server_state[:num_blocks]
-        check_distribution(pi, num_blocks)
-        tilt = MomentumTilt.from_flat(server_state[num_blocks:], like, local.tilt) if local.tilt else None
-        return [block_perturbation(b, pi, local.noise, masks, tilt, layout) for b in draw_blocks(seeds, pi)]
+        pi, shape, momentum = split_state(server_state, local, like, int(layout.max()) + 1)
+        tilt = MomentumTilt.from_flat(momentum, like, local.tilt) if momentum is not None else None
+        return [block_perturbation(b, pi, local.noise, masks, tilt, layout, shape) for b in draw_blocks(seeds, pi)]
 
     def step_blocks(self, local: LocalTraining, like: Sequence[torch.Tensor],
                     masks: Sequence[torch.Tensor | None] | None, steps: RoundSteps) -> StepBlocks | None:
@@ -131,9 +152,15 @@ class Zofed(Method):
         if local.tilt:
             return None  # a tilted step adds the momentum sent with its own weight: rebuilt client by client
         layout = tensor_blocks(like, local.blocks)
-        pis, blocks = round_draws(steps, int(layout.max()) + 1)
+        num_blocks = int(layout.max()) + 1
+        shape = None
+        if local.precondition:  # every client is sent the round's one p: pooled under it (else client by client)
+            _, shape, _ = split_state(steps.states[0], local, like, num_blocks)
+            if any(not np.array_equal(state[num_blocks:], steps.states[0][num_blocks:]) for state in steps.states):
+                return None
+        pis, blocks = round_draws(steps, num_blocks)
         scales = 1.0 / np.sqrt(np.take_along_axis(pis, blocks, axis=1).astype(np.float64))
-        return StepBlocks(Perturbation(kind=local.noise, masks=masks), layout, blocks, scales)
+        return StepBlocks(Perturbation(kind=local.noise, masks=masks, precondition=shape), layout, blocks, scales)
 
     def init_state(self, server: ServerView) -> BlockState:
         sampling = server.plan.sampling
@@ -144,7 +171,8 @@ class Zofed(Method):
         return BlockState(layout, block_sizes(server.tensors, server.masks), sizes,
                           np.asarray([t.numel() for t in server.tensors], dtype=np.float64),
                           BlockStats.zeros(server.plan.num_clients, len(sizes)),
-                          block_shares(server.plan.tensor_shares, layout))
+                          block_shares(server.plan.tensor_shares, layout),
+                          BlockPreconditioner.start(server.tensors, layout) if sampling.precondition else None)
 
     def least_passes(self, local: LocalTraining, tensor_shares: Sequence[float]) -> float:
         if not tensor_shares:
@@ -161,12 +189,15 @@ class Zofed(Method):
         return round_passes(local, False, state.shares[blocks].tolist())
 
     def server_state(self, server: ServerView, local: LocalTraining, client_id: int) -> np.ndarray:
-        """The client's pi (and, with a tilt, the server's first moment after it)."""
+        """The client's pi, then the round's noise shape p (`sampling.precondition`) and the server's first moment
+        (a tilt)."""
         state: BlockState = server.method_state
-        pi = client_distribution(state.stats, client_id, state.sizes, server.plan.sampling, state.shares)
-        if not local.tilt:
-            return pi
-        return np.concatenate([pi, torch.cat(server.opt_state.buffers["m"]).cpu().numpy().astype(np.float32)])
+        parts = [client_distribution(state.stats, client_id, state.sizes, server.plan.sampling, state.shares)]
+        if local.precondition:
+            parts.append(state.precondition.for_round(local.round_id))
+        if local.tilt:
+            parts.append(torch.cat(server.opt_state.buffers["m"]).cpu().numpy().astype(np.float32))
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def observe(self, server: ServerView, local: LocalTraining, accepted: Sequence[ClientUpdate],
                 sent: dict[int, np.ndarray], delta: Sequence[torch.Tensor]) -> dict[str, Any]:
@@ -175,6 +206,8 @@ class Zofed(Method):
         state: BlockState = server.method_state
         if not accepted:
             return {}
+        if state.precondition is not None:
+            state.precondition.observe(delta, local.lr, local.local_steps)
         # all clients at once (the same draws, energies and sums as block_probes and record, client by client)
         steps = server.round_steps(accepted, sent)
         pis, blocks = round_draws(steps, len(state.sizes))
