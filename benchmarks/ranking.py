@@ -121,10 +121,30 @@ def zero_shot(phase: str, table: str, row: str, dataset: str, alpha: float, seed
             "bytes_down_per_client_round": 0.0, "curve": [], "wall_seconds": 0.0}
 
 
+IDENTITY = "row.json"  # a run directory's protocol row (its identity and digest), written when a run starts in it
+
+
+def claim_run_dir(out: Path, identity: dict) -> None:
+    """Mark `out` as the run of `identity`, or refuse to continue a run there of another protocol: a run directory
+    is named by the row's key alone, so after the protocol changed a resume would carry the old run's rounds into a
+    row stored as the new one. A directory whose run started before these marks is taken as it stands."""
+    path = out / IDENTITY
+    if path.is_file():
+        held = json.loads(path.read_text())
+        if held != identity:
+            raise SystemExit(f"{out} holds a run of protocol {held.get('protocol')} (budget {held.get('budget')}), "
+                             f"not {identity['protocol']} (budget {identity['budget']}): delete that directory to run "
+                             f"the row again")
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic_text(path, json.dumps(identity, indent=2))
+
+
 def run_one(phase: str, table: str, row: str, dataset: str, alpha: float, seed: int, lr: float) -> dict:
     if protocol().tables[table].rows[row].kind == "zero-shot":
         return zero_shot(phase, table, row, dataset, alpha, seed, lr)
     out = run_dir(phase, table, row, dataset, alpha, seed, lr)
+    claim_run_dir(out, _identity(phase, table, row, dataset, alpha, seed, lr))
     config = run_config(phase, table, row, dataset, alpha, seed, lr, out)
     stops = [budget_stop(table, row, dataset, phase)]
     if phase == "calibrate":  # the rows stored so far, this sitting's included (record_rows writes each as it ends)

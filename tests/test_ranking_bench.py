@@ -430,3 +430,19 @@ def test_curves_past_the_tenth_colour_are_dashed():
     styles = [line.get_linestyle() for line in axes[0].get_lines()]
     assert styles[:10] == ["-"] * 10 and styles[10] == "--"
     assert axes[0].get_lines()[10].get_color() == axes[0].get_lines()[0].get_color()  # why it must be dashed
+
+
+def test_a_run_directory_is_never_continued_under_another_protocol(tmp_path):
+    import ranking
+
+    identity = ranking._identity("tune", "top4", "zofed", "agnews", 0.1, 0, 1e-2)
+    out = tmp_path / "run"
+    ranking.claim_run_dir(out, identity)
+    ranking.claim_run_dir(out, identity)  # the same row resumes
+    moved = {**identity, "protocol": "0123456789ab", "budget": 2000.0}
+    with pytest.raises(SystemExit, match="holds a run of protocol .* delete that directory"):
+        ranking.claim_run_dir(out, moved)
+    legacy = tmp_path / "legacy"
+    (legacy / "checkpoint").mkdir(parents=True)  # a run started before the marks: taken as it stands, then marked
+    ranking.claim_run_dir(legacy, moved)
+    assert (legacy / ranking.IDENTITY).is_file()
