@@ -1,4 +1,5 @@
-"""zo.precondition=features: noise scaled by 1 / RMS of the feature each coordinate multiplies."""
+"""zo.precondition=features: noise scaled by 1 / RMS of the feature each coordinate multiplies; zo.precondition=
+channels: noise only on the coordinates reading each tensor's largest features."""
 
 import torch
 from toy_federation import tiny_federated_config
@@ -6,7 +7,8 @@ from toy_federation import tiny_federated_config
 from zofed.models.selection import TrainableConfig, select_trainable
 from zofed.models.tiny import tiny_causal_lm
 from zofed.run.federated import run_federated
-from zofed.zo.feature_scale import CLIP, combine, feature_noise_scales
+from zofed.run.replay import replay_run
+from zofed.zo.feature_scale import CLIP, combine, feature_noise_scales, feature_rms, top_channel_masks
 from zofed.zo.noise import NoiseSource
 from zofed.zo.perturb import Perturbation
 
@@ -94,3 +96,29 @@ def test_a_federated_run_with_shaped_noise_rebuilds_and_resumes_exactly(tiny_wor
     assert all(torch.equal(final["whole"][k], final["split"][k]) for k in final["whole"])
     assert any(not torch.equal(final["whole"][k], final["flat"][k]) for k in final["whole"])
     assert whole["test"] == resumed["test"] and whole["rejected_uplinks"] == flat["rejected_uplinks"] == 0
+
+
+def test_channel_masks_keep_the_coordinates_reading_the_largest_features():
+    model, trainable = _model_with_a_massive_channel([r"layers\.0\.input_layernorm\.weight$",
+                                                      r"layers\.1\.mlp\.up_proj\.weight$"])
+    gain, up = top_channel_masks(model, trainable.names, trainable.params, 3)
+    rms = feature_rms(model, trainable.names)[trainable.names[0]]
+    assert gain.dtype == torch.bool and int(gain.sum()) == 3 and bool(gain[MASSIVE])
+    assert set(torch.nonzero(gain).flatten().tolist()) == set(torch.topk(rms, 3).indices.tolist())
+    rows = up.view(-1, 32)  # the same input columns in every output row
+    assert torch.equal(rows, rows[0].expand_as(rows)) and int(rows[0].sum()) == 3 and bool(rows[0, MASSIVE])
+    assert top_channel_masks(model, trainable.names, trainable.params, 32) == [None, None]  # every channel: all moves
+
+
+def test_a_federated_run_on_channel_masks_moves_only_those_coordinates(tiny_workspace, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    norms = ("trainable.mode=patterns", "trainable.patterns=['layers\\..*norm\\.weight$']", "zo.cache=none")
+    run_federated(tiny_federated_config(tiny_workspace, tmp_path / "masked", *norms, "zo.precondition=channels",
+                                        "zo.channels=2"), show_progress=False)
+    final = load_file(str(tmp_path / "masked" / "final" / "trainable.safetensors"))
+    start = dict(AutoModelForCausalLM.from_pretrained(tiny_workspace / "model").named_parameters())
+    moved = {k: torch.nonzero(final[k] != start[k]).flatten().tolist() for k in final}
+    assert len(moved) == 4 and any(moved.values()) and all(len(v) <= 2 for v in moved.values())
+    assert replay_run(tmp_path / "masked").matches  # the replay measures the same channels again

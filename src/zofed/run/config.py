@@ -95,8 +95,10 @@ class ZOSection(_Section):
     # client's, and the compute counted is each client's.
     cache: Literal["auto", "none", "prefix", "features"] = "auto"
     # features: each coordinate's noise scaled by 1 / RMS of the input feature it multiplies, measured once on
-    # random tokens through the starting model (zo/feature_scale.py); none: the same scale for every coordinate
-    precondition: Literal["none", "features"] = "none"
+    # random tokens through the starting model (zo/feature_scale.py); channels: only the coordinates reading each
+    # tensor's `channels` largest such features move; none: the same scale for every coordinate
+    precondition: Literal["none", "features", "channels"] = "none"
+    channels: int = Field(8, ge=1)  # zo.precondition channels: the input channels of each tensor that move
 
     @model_validator(mode="before")
     @classmethod

@@ -28,7 +28,7 @@ from zofed.models.registry import load_model
 from zofed.models.selection import TrainableParams, select_trainable
 from zofed.run.checkpoint import find_checkpoint, load_checkpoint
 from zofed.run.config import ConfigError, FinetuneConfig
-from zofed.zo.feature_scale import combine, feature_noise_scales
+from zofed.zo.feature_scale import combine, feature_noise_scales, top_channel_masks
 from zofed.zo.prefix import PrefixCache, first_trainable_layer
 
 
@@ -164,8 +164,12 @@ def build_model(config: FinetuneConfig, num_classes: int | None, device: torch.d
     if trainable.masks is not None:
         trainable.masks = [None if m is None else m.to(device) for m in trainable.masks]
     model.eval()
-    if config.zo.precondition == "features":  # measured on the starting model, before any checkpoint is loaded
+    # measured on the starting model, before any checkpoint is loaded
+    if config.zo.precondition == "features":
         trainable.masks = combine(trainable.masks, feature_noise_scales(model, trainable.names, trainable.params))
+    elif config.zo.precondition == "channels":
+        trainable.masks = combine(trainable.masks, top_channel_masks(model, trainable.names, trainable.params,
+                                                                     config.zo.channels))
     task.device = device
     return model, trainable, task
 
