@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo demo-centralized test lint bench-zo-step bench-centralized bench-scale bench-flower bench-client-memory bench-calibrate bench-ranking bench-instruction bench-recipe-ablation bench-robustness
+.PHONY: setup demo demo-centralized test lint bench-zo-step bench-centralized bench-scale bench-flower bench-client-memory bench-calibrate bench-ranking bench-instruction bench-recipe-ablation bench-robustness bench-gradient-concentration
 
 setup:
 	@bash scripts/setup_env.sh
@@ -64,3 +64,7 @@ bench-robustness: setup
 .PHONY: bench-cost-model
 bench-cost-model: setup
 	$(PY) benchmarks/cost_model.py $(ARGS)
+
+# How concentrated the top-4 norm gains' squared gradient is, coordinate by coordinate (about a minute)
+bench-gradient-concentration: setup
+	$(PY) benchmarks/gradient_concentration.py

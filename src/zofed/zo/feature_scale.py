@@ -21,7 +21,7 @@ channel is not given a huge step) and scaled to a mean square of 1, so eps and e
 their meaning.
 
 `zo.precondition: channels` takes the opposite view: where a few coordinates hold nearly all of a tensor's squared
-gradient (on SmolLM2-135M's top norm gains, the 5 largest of 576 input channels hold 72-97% of it on AG News), the
+gradient (SmolLM2-135M's top norm gains: docs/results/gradient_concentration.md), the
 noise on every other coordinate is what limits a ZO step, so only the coordinates reading each tensor's
 `zo.channels` largest features move: a bool mask, each step's estimate in a space a hundred times smaller.
 
