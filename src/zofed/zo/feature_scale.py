@@ -21,9 +21,9 @@ channel is not given a huge step) and scaled to a mean square of 1, so eps and e
 their meaning.
 
 `zo.precondition: channels` takes the opposite view: where a few coordinates hold nearly all of a tensor's squared
-gradient (SmolLM2-135M's top norm gains: docs/results/gradient_concentration.md), the
-noise on every other coordinate is what limits a ZO step, so only the coordinates reading each tensor's
-`zo.channels` largest features move: a bool mask, each step's estimate in a space a hundred times smaller.
+gradient (SmolLM2-135M's top norm gains: docs/results/gradient_concentration.md), the noise on every other
+coordinate is what limits a ZO step, so only the coordinates reading each tensor's `zo.channels` largest features
+move: a bool mask, and each step estimates the gradient over those few coordinates alone.
 
 The shape is not bit-exact across machines: the passes' matrix products sum in an order that depends on the
 device, the BLAS and the thread count. So `zofed replay`, which would measure it again, refuses a run with such
