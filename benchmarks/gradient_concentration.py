@@ -39,8 +39,7 @@ def measure(examples: int, seed: int) -> list[dict]:
     config = load_config(None, run_overrides(protocol(), "tune", "top4", "zofed", "agnews", 0.1, seed, 1e-2,
                                              Path("runs/unused")), schema=FederatedConfig)
     setup = build(config)
-    model, task, names = setup.model, setup.task, setup.trainable.names
-    params = [dict(model.named_parameters())[n] for n in names]
+    model, task, names, params = setup.model, setup.task, setup.trainable.names, setup.trainable.params
     for p in params:
         p.requires_grad_(True)
     chosen = np.random.default_rng(seed).choice(len(setup.train), examples, replace=False)

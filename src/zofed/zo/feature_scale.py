@@ -127,8 +127,8 @@ def top_channel_masks(model: torch.nn.Module, names: Sequence[str], params: Sequ
         if rms is None or rms.numel() <= channels:
             masks.append(None)
             continue
-        # ties broken by channel index, so every party picks the same channels from the same sizes
-        order = sorted(range(rms.numel()), key=lambda j: (-float(rms[j]), j))
+        # a stable sort breaks ties by channel index, so every party picks the same channels from the same sizes
+        order = torch.sort(rms.cpu(), descending=True, stable=True).indices
         top = torch.zeros(rms.numel(), dtype=torch.bool)
         top[order[:channels]] = True
         masks.append(top.repeat(param.numel() // rms.numel()).to(param.device))
