@@ -1,6 +1,7 @@
 """zo.precondition=features: noise scaled by 1 / RMS of the feature each coordinate multiplies; zo.precondition=
 channels: noise only on the coordinates reading each tensor's largest features."""
 
+import pytest
 import torch
 from toy_federation import tiny_federated_config
 
@@ -122,3 +123,23 @@ def test_a_federated_run_on_channel_masks_moves_only_those_coordinates(tiny_work
     moved = {k: torch.nonzero(final[k] != start[k]).flatten().tolist() for k in final}
     assert len(moved) == 4 and any(moved.values()) and all(len(v) <= 2 for v in moved.values())
     assert replay_run(tmp_path / "masked").matches  # the replay measures the same channels again
+
+
+def test_zofeds_server_steps_the_masked_set_by_its_lr(tiny_workspace, tmp_path):
+    """zofed's server (adam, one mean square for the update, steps relative to each tensor's RMS) moves the values
+    a channel mask lets move by lr of the gains' RMS in its first round, as it moves an unmasked set: the pinned
+    values do not count in its mean square."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    norms = ("trainable.mode=patterns", "trainable.patterns=['layers\\..*norm\\.weight$']", "zo.cache=none",
+             "federation.rounds=1", "federation.server_optimizer.tau=1e-12")
+    for name, extra in (("masked", ("zo.precondition=channels", "zo.channels=2")), ("all", ())):
+        run_federated(tiny_federated_config(tiny_workspace, tmp_path / name, *norms, *extra), show_progress=False)
+        final = load_file(str(tmp_path / name / "final" / "trainable.safetensors"))
+        start = dict(AutoModelForCausalLM.from_pretrained(tiny_workspace / "model").named_parameters())
+        assert all(torch.equal(start[k], torch.ones_like(start[k])) for k in final)  # every gain's RMS is 1
+        steps = torch.cat([(final[k] - start[k]).detach().flatten() for k in sorted(final)])
+        movable = 2 * len(final) if name == "masked" else steps.numel()  # a tensor its sampling left out counts
+        assert (int(steps.count_nonzero()) <= movable < steps.numel()) == (name == "masked")
+        assert float(steps.square().sum() / movable) ** 0.5 == pytest.approx(1e-2, rel=1e-4)

@@ -26,6 +26,7 @@ from zofed.fl.protocol import decode, message_nbytes, step_seeds
 from zofed.fl.roles import ClientRole, ServerRole
 from zofed.fl.server import RoundInbox, rebuild_client_update
 from zofed.fl.server_opt import make_server_optimizer as ServerOptimizer
+from zofed.fl.server_opt import movable_values
 from zofed.zo.noise import chunk_bounds, derive_seed
 from zofed.zo.perturb import add_directions_
 
@@ -196,6 +197,26 @@ def test_global_granularity_keeps_the_direction_of_the_whole_update():
     assert steps["tensor"][3:].norm() > 10 * steps["global"][3:].norm()  # tensor-wise blows the small one up
     with pytest.raises(ValueError, match="warm start"):
         ServerOptimizer("adam", granularity="global", warm_start=True)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "global"])
+def test_masked_values_do_not_count_in_the_servers_mean_squares(granularity):
+    """Under a selection mask the moving values step as the same values would with nothing pinned beside them:
+    counting the pinned zeros in the mean square would lengthen their step by sqrt(all / movable)."""
+    d = [torch.tensor([1.0, 0.0, -3.0, 0.0, 0.0, 0.0]), torch.tensor([0.5, 2.0])]
+    masks = [torch.tensor([True, False, True, False, False, False]), None]
+    assert movable_values([torch.zeros(6), torch.zeros(2)], masks) == [2, 2]
+    assert movable_values([torch.zeros(6), torch.zeros(2)], [torch.ones(6), None]) is None  # noise scales pin none
+    opt = ServerOptimizer("adam", lr=1.0, granularity=granularity)
+    masked = [torch.zeros(6), torch.zeros(2)]
+    state = opt.apply(masked, opt.init(masked), d, movable=[2, 2])
+    alone = [torch.zeros(2), torch.zeros(2)]  # the same movable values, nothing pinned
+    opt.apply(alone, opt.init(alone), [d[0][masks[0]], d[1]])
+    assert torch.equal(masked[0][masks[0]], alone[0]) and torch.equal(masked[1], alone[1])
+    assert not masked[0][~masks[0]].any() and state.step == 1
+    unmasked = [torch.zeros(6), torch.zeros(2)]
+    opt.apply(unmasked, opt.init(unmasked), d)  # counting the pinned zeros: a shorter v, a longer step
+    assert float(unmasked[0][0]) > 1.2 * float(masked[0][0])
 
 
 @pytest.mark.parametrize("name", ["sgd", "adam"])

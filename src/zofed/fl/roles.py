@@ -31,7 +31,7 @@ from zofed.fl.pooled import PooledTerms, RoundSteps
 from zofed.fl.privacy import add_noise, client_noise, new_secret, server_noise
 from zofed.fl.protocol import ClientUpdate, ServerBroadcast, decode, encode
 from zofed.fl.server import ClientSteps, RoundInbox, broadcast, client_steps, rebuild_client_update, receive, unflatten
-from zofed.fl.server_opt import ServerOptimizer, make_server_optimizer
+from zofed.fl.server_opt import ServerOptimizer, make_server_optimizer, movable_values
 from zofed.zo.optim import OptState
 
 
@@ -62,6 +62,7 @@ class ServerRole:
         self.method = get_method(plan.method)
         self.tensors = [t.detach().to("cpu", copy=True) for t in tensors]  # the server computes on the CPU
         self.masks = None if masks is None else [None if m is None else m.cpu() for m in masks]
+        self.movable = movable_values(self.tensors, self.masks)
         self.optimizer = optimizer or make_server_optimizer()
         self.opt_state = self.optimizer.init(self.tensors)
         self.aggregator = aggregator or WeightedMean()
@@ -185,6 +186,8 @@ class ServerRole:
             times.append(time.perf_counter())
             extras = self.method.observe(self, local, inbox.accepted, self._sent, delta)
             times.append(time.perf_counter())
+            if self.movable is not None:
+                extras["movable"] = self.movable
             self.opt_state = self.optimizer.apply(self.tensors, self.opt_state, delta, **extras)
             times.append(time.perf_counter())
         if self.average_from is not None and local.round_id >= self.average_from:

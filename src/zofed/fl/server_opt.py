@@ -24,8 +24,10 @@ trainable tensor, the mean of d^2 over it: the step keeps the direction inside a
 since a ZO pseudo-gradient's noise is spread evenly over a tensor and per-coordinate division would turn it into
 sign noise. `global` keeps one v for the whole update (the mean of d^2 over every trainable value, kept in each
 tensor's slot), so tensors keep their relative step sizes and only the update's length is set: a noisy tensor is not
-blown up to a full step. A tensor-wise v can warm-start from its first round's expected energy (`warm_start`; the
-method supplies `expected_square`).
+blown up to a full step. Under a selection mask (trainable.magnitude_fraction, zo.precondition: channels) these means
+run over the values that can move (`movable`, from the server), so a mask that pins most values does not make the
+rest step further at the same lr. A tensor-wise v can warm-start from its first round's expected energy
+(`warm_start`; the method supplies `expected_square`).
 
 The relative step makes lr a relative step size, so a small-valued tensor (a freshly drawn classifier head, std
 0.02) is not moved as far as a unit-scale gain. A tensor that starts at zero (LoRA's B) has no scale of its own (its
@@ -111,8 +113,9 @@ class Moments:
 
     def update(self, steps, buffers, tensors, step, extras):
         expected = extras.get("expected_square") if self.warm_start else None
-        if self.granularity == "global":  # one mean square over every value, the same in each tensor's slot
-            total = sum(s.num.numel() for s in steps)
+        movable = extras.get("movable")  # per tensor, the values a selection mask lets move (None: all)
+        if self.granularity == "global":  # one mean square over every movable value, the same in each tensor's slot
+            total = sum(s.num.numel() for s in steps) if movable is None else sum(movable)
             shared = sum(sum_squares(s.num) for s in steps) / max(total, 1)
         beta1 = self.beta1_at(step)
         out = []
@@ -127,7 +130,8 @@ class Moments:
             if self.granularity == "coordinate":
                 d2 = d * d
             elif self.granularity == "tensor":
-                d2 = v.new_full((1,), mean_square(d))
+                moving = d.numel() if movable is None else movable[i]
+                d2 = v.new_full((1,), mean_square(d) if moving == d.numel() else sum_squares(d) / max(moving, 1))
             else:
                 d2 = v.new_full((1,), shared)
             if self.rule == "yogi":
@@ -137,6 +141,16 @@ class Moments:
             denom = torch.maximum(buffers["vhat"][i], v, out=buffers["vhat"][i]) if self.rule == "amsgrad" else v
             out.append(TensorStep(m, denom.sqrt().add(self.tau), s.scale))
         return out
+
+
+def movable_values(tensors: Sequence[torch.Tensor], masks: Sequence[torch.Tensor | None] | None) -> list[int] | None:
+    """Per tensor, how many values a selection mask lets move (a bool mask's True entries; a float mask, the noise
+    scales of zo.precondition: features, pins none); None when no value is pinned."""
+    if masks is None:
+        return None
+    counts = [t.numel() if m is None or m.dtype != torch.bool else int(m.count_nonzero())
+              for t, m in zip(tensors, masks, strict=True)]
+    return None if counts == [t.numel() for t in tensors] else counts
 
 
 def _rms(tensors: Sequence[torch.Tensor]) -> list[float]:
