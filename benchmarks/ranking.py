@@ -7,8 +7,10 @@
   differ from it only in the method; first-order FedAvg on the same set and FedAvg-LoRA are the first-order rows;
   zero-shot is the initial model on the whole test split.
 - Tuning (`--phase tune`): every row on its grid of client lrs, on the protocol's tune seeds, scored on a seeded
-  validation split carved from the training data. Finals (`--phase final`): each row's chosen lr on the final
-  seeds, scored on the test split (curves on a fixed subset, the final accuracy on the whole split).
+  validation split carved from the training data; a table with `survivors` tunes by successive halving (the whole
+  grid on the first tune seed, its best points on the rest, the same rule for every row). Finals (`--phase
+  final`): each row's chosen lr on the final seeds, scored on the test split (curves on a fixed subset, the final
+  accuracy on the whole split).
 - Pending runs go by seed, then dataset, then row, then grid point, so a partial sitting gives every row its
   first seed early; rows are appended to docs/results/ranking.json as they finish and the report is rewritten
   (benchmarks/ranking_report.py). `--dry-run` lists the pending runs and each row's rounds and cost.
@@ -33,6 +35,7 @@ from ranking_protocol import (
     PHASES,
     RESULTS,
     ROOT,
+    Protocol,
     budget_stop,
     check_charge,
     check_names,
@@ -229,13 +232,10 @@ def main() -> None:
     check_names(p, args.table)
     rows = args.rows if args.rows is not None else list(p.tables[args.table].rows)
     check_names(p, args.table, rows, args.datasets)
-    kept, old = current_rows(p, table)
+    _, old = current_rows(p, table)
     if old:
         print(f"{old} stored rows belong to another protocol: ignored", flush=True)
-    done = {row_key(*(r[k] for k in ("phase", "table", "row", "dataset", "alpha", "seed", "lr"))) for r in kept}
-    pending, notes = pending_runs(p, args.table, args.phase, rows, args.datasets, done, choices(kept))
-    if args.seeds is not None:
-        pending = [run for run in pending if run[5] in args.seeds]  # (phase, table, row, dataset, alpha, seed, lr)
+    pending, notes = sitting(p, args, rows, table)
     for note in notes:
         print(note, flush=True)
     if args.dry_run:
@@ -246,11 +246,26 @@ def main() -> None:
         return
     table["meta"] = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
                      "protocol": p.model_dump()}
-    print(f"{len(pending)} runs to do, {args.jobs} at a time", flush=True)
     use_feature_store()  # the runs with zo.cache: features read the features warmed here
-    warm_features(pending, args.threads)
-    record_rows(run_rows(_process, pending, row_key, args.jobs, args.threads), table, TABLE,
-                lambda: write_report(table), "curve")
+    tried: set[tuple] = set()
+    while pending:  # successive halving lists a later seed's runs once the first seed's grid is in
+        print(f"{len(pending)} runs to do, {args.jobs} at a time", flush=True)
+        warm_features(pending, args.threads)
+        record_rows(run_rows(_process, pending, row_key, args.jobs, args.threads), table, TABLE,
+                    lambda: write_report(table), "curve")
+        tried.update(pending)
+        pending = [run for run in sitting(p, args, rows, table)[0] if run not in tried]  # a failed run: not again
+
+
+def sitting(p: Protocol, args: argparse.Namespace, rows: list[str], table: dict) -> tuple[list[tuple], list[str]]:
+    """The runs still to do for the command line's table, phase, rows, datasets and seeds, and notes on rows left
+    out, from the stored rows of the current protocol."""
+    kept, _ = current_rows(p, table)
+    done = {row_key(*(r[k] for k in ("phase", "table", "row", "dataset", "alpha", "seed", "lr"))) for r in kept}
+    pending, notes = pending_runs(p, args.table, args.phase, rows, args.datasets, done, choices(kept), kept)
+    if args.seeds is not None:
+        pending = [run for run in pending if run[5] in args.seeds]  # (phase, table, row, dataset, alpha, seed, lr)
+    return pending, notes
 
 
 if __name__ == "__main__":

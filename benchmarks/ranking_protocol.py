@@ -106,6 +106,9 @@ class Table(_Strict):
     rows: dict[str, Row] = Field(min_length=1)
     budget: float | None = Field(None, gt=0)  # the table's own client compute (None: the federation's)
     calibrate: list[str] = []  # the ZO rows `--phase calibrate` runs to choose the budget
+    # successive halving: the first tune seed runs every row's whole grid, the later ones only the `survivors`
+    # points it scored best (None: every point on every tune seed)
+    survivors: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _fraction(self) -> Table:
@@ -420,11 +423,25 @@ def choices(rows: list[dict]) -> dict[str, dict]:
     return chosen
 
 
+def survivors(p: Protocol, table: str, row: str, dataset: str, stored: list[dict]) -> list[float] | None:
+    """The grid points a table with `survivors` tunes on its later tune seeds: the best of the first tune seed's
+    validation scores (ties to the smaller lr); None until that seed has run the whole grid."""
+    lrs = grid(p, table, row)
+    first = {r["lr"]: r["final_accuracy"] for r in stored
+             if (r["phase"], r["table"], r["row"], r["dataset"], r["seed"]) == ("tune", table, row, dataset,
+                                                                                  p.seeds.tune[0])}
+    if any(lr not in first for lr in lrs):
+        return None
+    return sorted(sorted(lrs, key=lambda lr: (-first[lr], lr))[:p.tables[table].survivors])
+
+
 def pending_runs(p: Protocol, table: str, phase: str, rows: list[str], datasets: list[str],
-                 done: set[str], chosen: dict[str, dict]) -> tuple[list[tuple], list[str]]:
+                 done: set[str], chosen: dict[str, dict], stored: list[dict] = ()) -> tuple[list[tuple], list[str]]:
     """The runs still to do, ordered by seed, then dataset, then row, then grid point (a partial sitting gives
     every row its first seed early), and notes on rows left out (a final without tuning rows). A run is the
-    tuple (phase, table, row, dataset, alpha, seed, lr); a zero-shot row runs once per dataset, in the finals."""
+    tuple (phase, table, row, dataset, alpha, seed, lr); a zero-shot row runs once per dataset, in the finals.
+    Under successive halving (the table's `survivors`) a later tune seed's runs are listed once the first seed's
+    grid is in `stored` (the current rows): the runner asks again after each sitting."""
     notes, runs = [], []
     seeds = phase_seeds(p, phase)
     if phase == "calibrate":
@@ -440,6 +457,12 @@ def pending_runs(p: Protocol, table: str, phase: str, rows: list[str], datasets:
                         continue
                     if spec.kind == "zero-shot":
                         points = [0.0] if phase == "final" and seed == seeds[0] else []
+                    elif phase == "tune" and p.tables[table].survivors and seed != seeds[0]:
+                        points = survivors(p, table, row, dataset, list(stored))
+                        if points is None and seed == seeds[1]:
+                            notes.append(f"{row} on {dataset}: seeds {seeds[1:]} wait for seed {seeds[0]}'s whole "
+                                         "grid (successive halving)")
+                        points = points or []
                     elif phase in ("tune", "calibrate"):
                         points = grid(p, table, row, phase)
                     else:

@@ -278,8 +278,12 @@ def protocol_lines(p: Protocol) -> list[str]:
 
 
 def tuning_runs(p: Protocol, table: str) -> int:
-    """The tuning runs one dataset of a table takes: every training row's grid on every tuning seed."""
-    return sum(len(grid(p, table, row)) for row in p.tables[table].rows) * len(p.seeds.tune)
+    """The tuning runs one dataset of a table takes: every training row's grid on every tuning seed (under
+    successive halving, on the first; its survivors on the rest)."""
+    k = p.tables[table].survivors
+    later = len(p.seeds.tune) - 1
+    return sum(len(lrs) + later * (min(k, len(lrs)) if k else len(lrs))
+               for lrs in (grid(p, table, row) for row in p.tables[table].rows))
 
 
 def benchmarks_section(table: dict) -> str:
@@ -358,6 +362,10 @@ def write_report(table: dict) -> None:
         calibration = [r for r in rows if r["table"] == name and r["phase"] == "calibrate"]
         mine = [r for r in rows if r["table"] == name and r["phase"] != "calibrate"]
         budget = [f"Its own budget: {t.budget:,.0f} passes (calibrated below)."] if t.budget else []
+        if t.survivors:
+            budget.append(f"Tuning by successive halving: every row's whole grid on seed {p.seeds.tune[0]}, then its "
+                          f"{t.survivors} best points there on seeds {p.seeds.tune[1:]}; the chosen lr is the best of "
+                          f"those on all {len(p.seeds.tune)} seeds.")
         lines += ["", f"## Table {name}: {t.title}", "", *settings_lines(p, name, mine), *budget, "",
                   "Rows: " + ", ".join(f"{n} ({kind_of(p, name, n)}" + (f", the runs of table {r.from_table}"
                                                                           if r.from_table else "") + ")"

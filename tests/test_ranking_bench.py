@@ -267,7 +267,9 @@ def test_a_row_of_its_own_set_runs_once_and_shows_in_every_table_of_the_same_bud
         shown = P.tables[table].rows["fedavg-lora"]
         assert shown.from_table == "head" and shown.method == "fedavg" and shown.trainable == "own"
         runs, notes = protocol.pending_runs(P, table, "tune", ["fedavg-lora", "hiso"], ["sst2"], set(), {})
-        assert {r[2] for r in runs} == {"hiso"} and notes == ["fedavg-lora runs in table head, which this table shows"]
+        assert {r[2] for r in runs} == {"hiso"} and notes == ["fedavg-lora runs in table head, which this table shows",
+                                                              "hiso on sst2: seeds [1, 2] wait for seed 0's whole grid "
+                                                              "(successive halving)"]
     run = {"phase": "final", "table": "head", "row": "fedavg-lora", "dataset": "sst2", "alpha": 0.1,
            "seed": P.seeds.final[0], "lr": P.grids["adamw"][0], "final_accuracy": 0.9, "curve": [],
            "protocol": protocol.row_digest(P, "head", "fedavg-lora")}
@@ -302,6 +304,26 @@ def test_pending_runs_go_by_seed_then_dataset_then_row_then_lr():
     finals, notes = protocol.pending_runs(P, "head", "final", ["zero-shot", "zofed", "hiso"], ["sst2"], set(), chosen)
     assert notes == ["no tuning rows for hiso on sst2: run --phase tune first; left out"]
     assert [(r[2], r[5], r[6]) for r in finals] == [("zero-shot", 0, 0.0)] + [("zofed", s, 3e-3) for s in range(5)]
+
+
+def test_successive_halving_tunes_later_seeds_on_the_first_seeds_best_points():
+    """top4 tunes by successive halving: seed 0 runs the whole grid, seeds 1 and 2 only its 2 best points (ties to
+    the smaller lr), listed once seed 0's grid is stored; the head table tunes every point on every seed."""
+    assert P.tables["top4"].survivors == 2 and P.tables["head"].survivors is None
+    runs, notes = protocol.pending_runs(P, "top4", "tune", ["hiso"], ["agnews"], set(), {})
+    assert [(r[5], r[6]) for r in runs] == [(0, lr) for lr in P.grids["zo"]]
+    assert notes == ["hiso on agnews: seeds [1, 2] wait for seed 0's whole grid (successive halving)"]
+    scores = dict(zip(P.grids["zo"], [0.70, 0.74, 0.72, 0.74, 0.60], strict=True))
+    stored = [_stored("hiso", 0, acc, phase="tune", lr=lr, table="top4") for lr, acc in scores.items()]
+    assert protocol.survivors(P, "top4", "hiso", "agnews", stored[:4]) is None
+    done = {protocol.row_key("tune", "top4", "hiso", "agnews", 0.1, 0, lr) for lr in scores}
+    runs, notes = protocol.pending_runs(P, "top4", "tune", ["hiso"], ["agnews"], done, {}, stored)
+    assert not notes and [(r[5], r[6]) for r in runs] == [(s, lr) for s in (1, 2) for lr in (3e-4, 3e-3)]
+    assert report.tuning_runs(P, "top4") == sum(len(protocol.grid(P, "top4", r)) + 2 * min(2, len(protocol.grid(
+        P, "top4", r))) for r in P.tables["top4"].rows)
+    head = protocol.pending_runs(P, "head", "tune", ["hiso"], ["agnews"], set(), {})[0]
+    assert len(head) == 3 * len(P.grids["zo"]) and report.tuning_runs(P, "head") == 3 * sum(
+        len(protocol.grid(P, "head", r)) for r in P.tables["head"].rows)
 
 
 def _stored(row: str, seed: int, final: float, phase: str = "final", lr: float = 1e-3, curve=None,
