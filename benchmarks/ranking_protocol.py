@@ -438,8 +438,9 @@ def survivors(p: Protocol, table: str, row: str, dataset: str, stored: list[dict
 def pending_runs(p: Protocol, table: str, phase: str, rows: list[str], datasets: list[str],
                  done: set[str], chosen: dict[str, dict], stored: list[dict] = ()) -> tuple[list[tuple], list[str]]:
     """The runs still to do, ordered by seed, then dataset, then row, then grid point (a partial sitting gives
-    every row its first seed early), and notes on rows left out (a final without tuning rows). A run is the
-    tuple (phase, table, row, dataset, alpha, seed, lr); a zero-shot row runs once per dataset, in the finals.
+    every row its first seed early; calibration runs each row's middle grid point first), and notes on rows left
+    out (a final without tuning rows). A run is the tuple (phase, table, row, dataset, alpha, seed, lr); a
+    zero-shot row runs once per dataset, in the finals.
     Under successive halving (the table's `survivors`) a later tune seed's runs are listed once the first seed's
     grid is in `stored` (the current rows): the runner asks again after each sitting."""
     notes, runs = [], []
@@ -475,7 +476,18 @@ def pending_runs(p: Protocol, table: str, phase: str, rows: list[str], datasets:
                         points = [c["lr"]]
                     runs += [(phase, table, row, dataset, alpha, seed, lr) for lr in points
                              if row_key(phase, table, row, dataset, alpha, seed, lr) not in done]
+    if phase == "calibrate":  # the grid's middle first, every row's, so the stop rule cuts the rest short early
+        runs.sort(key=lambda run: (seeds.index(run[5]), datasets.index(run[3]), middle_first(
+            grid(p, table, run[2], phase), run[6]), rows.index(run[2])))
     return runs, notes
+
+
+def middle_first(lrs: list[float], lr: float) -> tuple[int, int]:
+    """Where `lr` comes in its grid read from the middle out (the lower neighbour first): a calibration run that
+    gains early stops every later one there (ranking_calibration.CalibrationStop), and the middle point is the
+    likeliest to."""
+    i = lrs.index(lr)
+    return abs(i - (len(lrs) - 1) // 2), i
 
 
 def multiple_rounds(p: Protocol, table: str, row: str, dataset: str) -> list[int]:

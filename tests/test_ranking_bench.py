@@ -176,6 +176,8 @@ def test_calibration_runs_the_zo_baselines_to_the_largest_budget_and_evaluates_a
     cal = P.calibration
     runs, notes = protocol.pending_runs(P, "top4", "calibrate", list(P.tables["top4"].rows), ["agnews"], set(), {})
     assert not notes and {r[2] for r in runs} == set(P.tables["top4"].calibrate)
+    calibrate, (low, middle, high) = P.tables["top4"].calibrate, P.calibration.grid  # the middle point first
+    assert [(r[2], r[6]) for r in runs] == [(row, lr) for lr in (middle, low, high) for row in calibrate]
     assert {r[5] for r in runs} == set(cal.seeds) and len(runs) == 4 * len(cal.grid) * len(cal.seeds)
     assert {r[6] for r in runs} == set(cal.grid) < set(P.grids["zo"])  # a coarser grid; tuning takes the full one
     overrides = dict(o.split("=", 1) for o in protocol.run_overrides(P, *runs[0], tmp_path))
