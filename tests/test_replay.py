@@ -5,13 +5,14 @@ import hashlib
 import json
 
 import pytest
+import torch
 from toy_federation import tiny_federated_config
 from typer.testing import CliRunner
 
 from zofed.cli import app
 from zofed.run.config import ConfigError
 from zofed.run.federated import run_federated
-from zofed.run.replay import replay_run
+from zofed.run.replay import agreement, replay_run
 from zofed.run.stored_config import dump_config
 from zofed.run.uplink_log import LOG_NAME, LogError, read_log
 
@@ -35,8 +36,20 @@ def test_a_run_replays_from_its_log_bit_for_bit(tiny_workspace, tmp_path):
     last = traced.trace[-1]
     assert last.largest_rms > last.largest_start_rms
     assert replay_run(out).trace == ()  # no trace unless asked: the check alone copies nothing
+    # (None where every update was zero: a step that drew a LoRA A while its B is still 0 changes no loss)
+    agreed = [r.agreement for r in traced.trace if r.agreement is not None]
+    assert agreed and all(-1 <= a <= 1 for a in agreed)
     shown = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["replay", str(out), "--trace"])
     assert shown.exit_code == 0 and "grown the most" in shown.output and last.largest in shown.output
+    assert "clients agree" in shown.output and f"{agreed[-1]:+.3f}" in shown.output
+
+
+def test_agreement_is_the_shared_inner_product_over_the_own_squared_length():
+    a, b = torch.tensor([1.0, 2.0, 0.0]), torch.tensor([0.0, 0.0, 3.0])
+    assert agreement([[a], [a]]) == pytest.approx(1.0) and agreement([[a], [-a]]) == pytest.approx(-1.0)
+    assert agreement([[a], [b]]) == 0.0 and agreement([[a]]) is None and agreement([[0 * a], [0 * a]]) is None
+    assert agreement([[a], [2 * a]]) == pytest.approx(2 / 2.5)  # <a, 2a> over the mean of |a|^2 and |2a|^2
+    assert agreement([[a, b], [a, -b], [a, b]]) == pytest.approx((5 - 9 + 14 - 9 + 5) / 3 / 14)  # tensors joined
 
 
 def test_a_changed_log_is_caught(tiny_workspace, tmp_path):

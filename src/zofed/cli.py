@@ -328,7 +328,8 @@ def export(
 def replay(
     run_dir: Annotated[Path, typer.Argument(help="a federated run directory written by zofed run")],
     trace: Annotated[bool, typer.Option(help="also show how each round moved the model: the server step's "
-                                             "length, the distance from the start, the tensor grown the most")] = False,
+                                             "length, the distance from the start, the tensor grown the most, and "
+                                             "how far the round's clients' updates agreed (0: mostly noise)")] = False,
     expect: Annotated[str | None, typer.Option(
         metavar="HASH", help="the log head `zofed run` printed (results.json's uplink_log_head), kept outside the "
                              "run directory: the replay fails unless the log ends in it. The full SHA-256 or a "
@@ -347,11 +348,12 @@ def replay(
         _fail(str(err))
     if done.trace:
         table = Table(title="how each round moved the model (the server's iterate)")
-        for column in ("round", "step", "from start", "grown the most", "its RMS (start → now)"):
+        for column in ("round", "step", "from start", "grown the most", "its RMS (start → now)", "clients agree"):
             table.add_column(column)
         for r in done.trace:
             table.add_row(str(r.round), f"{r.step:.4g}", f"{r.distance:.4g}", r.largest,
-                          f"{r.largest_start_rms:.3g} → {r.largest_rms:.3g}")
+                          f"{r.largest_start_rms:.3g} → {r.largest_rms:.3g}",
+                          "-" if r.agreement is None else f"{r.agreement:+.3f}")
         console.print(table)
     console.print(f"replayed {done.rounds} rounds, {done.uplinks} uplinks; log head {done.head}")
     if not done.matches:

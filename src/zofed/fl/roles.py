@@ -140,6 +140,11 @@ class ServerRole:
         return Contribution(update.client_id, update.num_examples, None,
                             self.method.directions(update, local, self.tensors, self.masks, sent))
 
+    def client_update(self, update: ClientUpdate, local: LocalTraining) -> list[torch.Tensor]:
+        """One accepted uplink's local update, rebuilt dense (from the state this round sent its client)."""
+        return rebuild_client_update(self.method, self.tensors, update, local, self.masks,
+                                     self._sent.get(update.client_id, np.zeros(0, np.float32)))
+
     def round_steps(self, accepted: Sequence[ClientUpdate], sent: dict[int, np.ndarray]) -> RoundSteps:
         """The round's seed-and-scalar uplinks as arrays, built once per `aggregate`: the pooled mean and the
         method's `observe` both read them."""

@@ -9,7 +9,10 @@ hash chain alone can be rewritten by whoever can edit the log.
 
 With `trace`, the replay also records how each round moved the model (`RoundTrace`): the server step's length,
 the distance from the start, and the tensor that has grown the most. A run whose loss walked away shows there
-whether every tensor drifted or one ran away, without running a forward pass.
+whether every tensor drifted or one ran away, without running a forward pass. It also records how far the round's
+clients agreed (`agreement`): the mean inner product of two clients' rebuilt updates over the mean squared length of
+one. A ZO update is the gradient plus noise that no other client shares, so near 0 the round was mostly noise; the
+clients' gradients alone (equal, and without noise) would give 1.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class RoundTrace:
     largest: str  # the tensor whose RMS grew the most since the start
     largest_rms: float  # its RMS now
     largest_start_rms: float  # and at the start
+    agreement: float | None = None  # how far the round's clients' updates agree (`agreement`); None: under 2 of them
 
 
 @dataclass(frozen=True)
@@ -63,11 +67,25 @@ def _rms(tensor: torch.Tensor) -> float:
 
 
 def _trace(round_id: int, names: list[str], start: list[torch.Tensor], start_rms: list[float],
-           before: list[torch.Tensor], after: list[torch.Tensor]) -> RoundTrace:
+           before: list[torch.Tensor], after: list[torch.Tensor], agreed: float | None) -> RoundTrace:
     now = [_rms(a) for a in after]
     i = max(range(len(names)), key=lambda k: now[k] - start_rms[k])
     return RoundTrace(round_id, _norm([a - b for a, b in zip(after, before, strict=True)]),
-                      _norm([a - s for a, s in zip(after, start, strict=True)]), names[i], now[i], start_rms[i])
+                      _norm([a - s for a, s in zip(after, start, strict=True)]), names[i], now[i], start_rms[i],
+                      agreed)
+
+
+def agreement(updates: list[list[torch.Tensor]]) -> float | None:
+    """The mean inner product of two different clients' updates over the mean squared length of one (None for
+    fewer than two, or updates of length 0)."""
+    if len(updates) < 2:
+        return None
+    flat = torch.stack([torch.cat([t.flatten() for t in u]).double() for u in updates])
+    gram = flat @ flat.T
+    n, own = len(updates), float(gram.diagonal().sum())
+    if own == 0.0:
+        return None
+    return (float(gram.sum()) - own) / (n - 1) / own
 
 
 # The shortest prefix of a head `--expect` accepts: 128 bits, too many to forge a log whose head starts alike.
@@ -140,10 +158,11 @@ def replay_run(run_dir: str | Path, trace: bool = False, expect: str | None = No
             server.receive(inbox, local, client_id, data)
         if inbox.rejected:
             raise LogError(f"round {logged.round}: logged uplinks the server refuses on replay: {inbox.rejected}")
+        agreed = agreement([server.client_update(u, local) for u in inbox.accepted]) if trace else None
         server.aggregate(local, inbox)
         count += len(logged.uplinks)
         if trace:  # the iterate, not the tail average: the steps the server took
-            traced.append(_trace(logged.round, trainable.names, start, start_rms, before, server.tensors))
+            traced.append(_trace(logged.round, trainable.names, start, start_rms, before, server.tensors, agreed))
     saved = load_file(str(final))
     replayed = {name: t.view_as(p) for name, t, p in zip(trainable.names, server.model_tensors(),
                                                           trainable.params, strict=True)}
