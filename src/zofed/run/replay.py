@@ -44,7 +44,7 @@ class RoundTrace:
     largest: str  # the tensor whose RMS grew the most since the start
     largest_rms: float  # its RMS now
     largest_start_rms: float  # and at the start
-    agreement: float | None = None  # how far the round's clients' updates agree (`agreement`); None: under 2 of them
+    agreement: float | None = None  # how far the round's clients' updates agree (`agreement`); None: under 2, or all 0
 
 
 @dataclass(frozen=True)
