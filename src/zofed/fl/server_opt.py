@@ -50,6 +50,7 @@ from typing import Any, Protocol
 
 import torch
 
+from zofed.fl.personal import block_sizes
 from zofed.zo.optim import OptState
 from zofed.zo.reduce import mean_square, rms, sum_squares
 
@@ -144,12 +145,12 @@ class Moments:
 
 
 def movable_values(tensors: Sequence[torch.Tensor], masks: Sequence[torch.Tensor | None] | None) -> list[int] | None:
-    """Per tensor, how many values a selection mask lets move (a bool mask's True entries; a float mask, the noise
-    scales of zo.precondition: features, pins none); None when no value is pinned."""
+    """Per tensor, how many values a mask lets move (its nonzero entries, as zofed's block sizes count them: the noise
+    scales of zo.precondition: features pin none, a selection combined with them pins its zeros); None when no value
+    is pinned."""
     if masks is None:
         return None
-    counts = [t.numel() if m is None or m.dtype != torch.bool else int(m.count_nonzero())
-              for t, m in zip(tensors, masks, strict=True)]
+    counts = [int(n) for n in block_sizes(tensors, masks)]
     return None if counts == [t.numel() for t in tensors] else counts
 
 
